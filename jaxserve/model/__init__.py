@@ -1,0 +1,1 @@
+"""The Llama-family model, its paged attention and its weight loading."""
