@@ -1,0 +1,51 @@
+"""Engine configuration: one dataclass, built once from `LLM(...)` keyword arguments or CLI flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineConfig:
+    """Everything that shapes an engine; names follow `vllm serve` flags where they exist.
+
+    `kv_cache_memory` is the KV budget in bytes per device; when None, `gpu_memory_utilization` of an
+    accelerator's memory is used, or a default budget on CPU. `max_model_len` defaults to the model's
+    maximum positions capped by what the pool can hold.
+    """
+
+    model: str = "tiny"
+    dtype: str = "auto"
+    seed: int = 0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    chunk_size: int = 512
+    page_size: int = 16
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    tensor_parallel_size: int = 1
+    served_model_name: str | None = None
+    token_buckets: tuple[int, ...] = field(default_factory=tuple)  # empty: derived from the budgets
+    seq_buckets: tuple[int, ...] = field(default_factory=tuple)
+    compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "page_size", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.chunk_size % self.page_size and self.chunk_size > self.page_size:
+            raise ValueError(f"chunk_size ({self.chunk_size}) must be a multiple of page_size ({self.page_size})")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.scheduling_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
