@@ -1,0 +1,218 @@
+"""The synchronous engine: schedule -> run one step -> sample -> check stops -> outputs.
+
+`LLMEngine.step()` is the whole serving loop body; `LLM` drives it to completion for a batch of prompts and
+`AsyncEngine` drives it from a background thread for streaming clients.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jaxserve.engine_config import EngineConfig
+from jaxserve.kv_cache_manager import KVCacheManager
+from jaxserve.model_builder import build_model_and_cache
+from jaxserve.model_runner import ModelRunner, power_of_two_ladder
+from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
+from jaxserve.request import Request, RequestStatus
+from jaxserve.sampler import SamplingArrays
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler import Scheduler, SchedulerConfig
+from jaxserve.stop_checker import StopChecker
+from jaxserve.tokenizer import load_tokenizer
+from planner.model_spec import load_model_spec
+
+
+def context_length_error(max_model_len: int, prompt_len: int, max_tokens: int) -> str:
+    """vLLM's wording, which clients match on."""
+    return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the completion). "
+            "Please reduce the length of the messages or completion.")
+
+
+@dataclass
+class _Tracked:
+    """Engine-side companions of a scheduler Request."""
+
+    request: Request
+    prompt: str | None
+    seed: int
+    stops: StopChecker
+    logprobs: list[dict[int, float]] | None = field(default=None)
+
+
+class LLMEngine:
+    """Owns the model runner, the KV cache manager and the scheduler; turns steps into outputs."""
+
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.spec = load_model_spec(config.model)
+        self.tokenizer = load_tokenizer(config.model, self.spec)
+        built = build_model_and_cache(config, self.spec)
+        self.max_model_len = built.max_model_len
+        self.num_pages = built.num_pages
+        self.dtype = built.dtype
+        token_buckets = config.token_buckets or power_of_two_ladder(config.max_num_batched_tokens)
+        seq_buckets = config.seq_buckets or power_of_two_ladder(config.max_num_seqs)
+        self.runner = ModelRunner(built.model, built.kv_caches, page_size=config.page_size,
+                                  max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
+                                  token_buckets=token_buckets, seq_buckets=seq_buckets)
+        self.kv_manager = KVCacheManager(num_pages=self.num_pages, page_size=config.page_size,
+                                         enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            chunk_size=config.chunk_size, page_size=config.page_size, max_model_len=self.max_model_len,
+            enable_prefix_caching=config.enable_prefix_caching, policy=config.scheduling_policy),
+            self.kv_manager)
+        self._tracked: dict[str, _Tracked] = {}
+        self._seed_rng = np.random.default_rng(config.seed)
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_preemptions": 0,
+                         "prefix_cache_queries": 0, "prefix_cache_hits": 0, "steps": 0}
+        self.last_step: StepStats | None = None
+        if config.warmup:
+            self.runner.warmup()
+
+    # Submission ----------------------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt given as text or ids; text needs a tokenizer."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
+            return self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})")
+        return ids
+
+    def resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        """Completion budget: params.max_tokens, or the rest of the context when None; checked to fit."""
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - prompt_len
+        if max_tokens < 1 or prompt_len + max_tokens > self.max_model_len:
+            raise ValueError(context_length_error(self.max_model_len, prompt_len, max(max_tokens, 0)))
+        return max_tokens
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    prompt_token_ids: list[int] | None = None) -> Request:
+        """Queue a request; raises ValueError (with a client-ready message) when it can never be served."""
+        if request_id in self._tracked:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize_prompt(prompt)
+        max_tokens = self.resolve_max_tokens(len(ids), params)
+        req = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
+                      arrival_time=self.clock() if arrival_time is None else arrival_time,
+                      eos_token_id=self._eos_token_id(), cache_salt=cache_salt, max_tokens=max_tokens)
+        self.scheduler.add_request(req)
+        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**32))
+        self._tracked[request_id] = _Tracked(
+            request=req, prompt=prompt if isinstance(prompt, str) else None, seed=seed,
+            stops=StopChecker(params, self.tokenizer), logprobs=[] if params.logprobs is not None else None)
+        self.counters["prompt_tokens"] += len(ids)
+        return req
+
+    def _eos_token_id(self) -> int | None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            return self.tokenizer.eos_token_id
+        return self.spec.eos_token_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its pages; returns its final output, or None if unknown."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return None
+        self.scheduler.abort_request(request_id)
+        req = tracked.request
+        req.status = RequestStatus.FINISHED_ABORTED
+        req.finish_time = self.clock()
+        return self._output(tracked)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._tracked)
+
+    # The loop body -------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return an output for every request that drew a token or finished."""
+        start = self.clock()
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        now = self.clock()
+        for req in batch.requests:
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+        rows = [(r.sampling_params, self._tracked[r.request_id].seed, len(r.output_token_ids))
+                for r in batch.requests]
+        sampling = SamplingArrays.build(rows, self.runner.sampling_bucket(batch.num_seqs))
+        result = self.runner.execute(batch, sampling)
+        sampled = np.where(batch.samples, result.tokens, -1)
+        self.scheduler.update_after_step(batch, sampled)
+        now = self.clock()
+        outputs = []
+        for s, req in enumerate(batch.requests):
+            if not batch.samples[s]:
+                continue
+            tracked = self._tracked[req.request_id]
+            self.counters["generation_tokens"] += 1
+            req.token_times.append(now)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if tracked.logprobs is not None:
+                tracked.logprobs.append(self._logprob_entry(result, s, req.sampling_params.logprobs or 0))
+            finish = tracked.stops.check(req)
+            if finish is not None:
+                status, reason = finish
+                req.stop_reason = reason
+                req.finish_time = now
+                self.scheduler.finish_request(req, status)
+                del self._tracked[req.request_id]
+            outputs.append(self._output(tracked))
+        self._record_step(batch, start)
+        return outputs
+
+    def _logprob_entry(self, result, s: int, k: int) -> dict[int, float]:
+        entry = {int(result.tokens[s]): float(result.logprobs[s])}
+        if k and result.top_ids is not None:
+            entry.update({int(i): float(lp) for i, lp in zip(result.top_ids[s, :k], result.top_logprobs[s, :k],
+                                                               strict=True)})
+        return entry
+
+    def _record_step(self, batch, start: float) -> None:
+        stats = self.scheduler.step_stats()
+        self.counters["steps"] += 1
+        self.counters["num_preemptions"] += stats["num_preemptions"]
+        self.counters["prefix_cache_queries"] += stats["prefix_queries"]
+        self.counters["prefix_cache_hits"] += stats["prefix_hits"]
+        self.last_step = StepStats(
+            time=self.clock(), duration=self.clock() - start, num_tokens=batch.num_tokens,
+            num_prefill_tokens=batch.num_prefill_tokens, num_decode_tokens=batch.num_decodes,
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            kv_usage=self.kv_manager.usage(), num_preemptions=stats["num_preemptions"],
+            prefix_queries=stats["prefix_queries"], prefix_hits=stats["prefix_hits"])
+
+    def _output(self, tracked: _Tracked) -> RequestOutput:
+        req = tracked.request
+        status = req.status
+        finish_reason = status.value if status.finished else None
+        completion = CompletionOutput(index=0, text=tracked.stops.text, token_ids=list(req.output_token_ids),
+                                      finish_reason=finish_reason, stop_reason=req.stop_reason,
+                                      logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None)
+        cached = max(req.num_cached_tokens, 0)
+        metrics = RequestMetrics(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
+                                 first_token_time=req.first_token_time, finish_time=req.finish_time,
+                                 token_times=list(req.token_times), num_cached_tokens=cached,
+                                 num_preemptions=req.num_preemptions)
+        return RequestOutput(request_id=req.request_id, prompt=tracked.prompt,
+                             prompt_token_ids=req.prompt_token_ids, outputs=[completion],
+                             finished=status.finished, metrics=metrics, num_cached_tokens=cached)
+
+    def stats(self) -> dict[str, float]:
+        """A snapshot of the engine's gauges and counters."""
+        return {"num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
+                "kv_usage": self.kv_manager.usage(), **self.counters}

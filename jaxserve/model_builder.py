@@ -1,0 +1,80 @@
+"""Builds what the model runner needs: the model's parameters, the KV pool sized by the planner's formula,
+and the context length that pool allows."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.engine_config import EngineConfig
+from jaxserve.model.llama import LlamaForCausalLM, init_kv_cache, resolve_dtype
+from planner.memory import GIB, activation_bytes, kv_bytes_per_token, kv_pool_pages, weight_bytes_per_device
+from planner.model_spec import ModelSpec
+
+CPU_DEFAULT_KV_BYTES = 1 * GIB
+_DTYPE_NAMES = {jnp.dtype(jnp.float32): "fp32", jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "fp16"}
+
+
+@dataclass
+class BuiltModel:
+    model: nnx.Module
+    kv_caches: Any
+    dtype: jnp.dtype
+    num_pages: int  # including the trash page 0
+    max_model_len: int
+
+
+def load_model(config: EngineConfig, spec: ModelSpec, dtype: jnp.dtype) -> nnx.Module:
+    """Seeded random weights for synthetic presets; otherwise read the checkpoint folder."""
+    if spec.synthetic:
+        return LlamaForCausalLM(spec, dtype, rngs=nnx.Rngs(config.seed))
+    from jaxserve.model.weights import load_checkpoint
+
+    return load_checkpoint(os.path.expanduser(config.model), spec, dtype)
+
+
+def kv_budget_bytes(config: EngineConfig, spec: ModelSpec, dtype_name: str) -> float:
+    """The KV budget per device: explicit, else a fraction of accelerator memory, else a CPU default.
+
+    On CPU the default is 1 GiB, or less when `max_num_seqs` full-length sequences need less.
+    """
+    if config.kv_cache_memory is not None:
+        return float(config.kv_cache_memory)
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        tp = config.tensor_parallel_size
+        free = (stats["bytes_limit"] * config.gpu_memory_utilization - weight_bytes_per_device(spec, dtype_name, tp)
+                - activation_bytes(spec, config.max_num_batched_tokens, config.max_num_seqs, dtype_name, tp))
+        if free <= 0:
+            raise ValueError(f"{spec.name} leaves no memory for the KV cache at "
+                             f"gpu_memory_utilization={config.gpu_memory_utilization}")
+        return free
+    context = config.max_model_len or spec.max_position_embeddings
+    needed = (config.max_num_seqs * context + config.page_size) * kv_bytes_per_token(spec, dtype_name)
+    return min(CPU_DEFAULT_KV_BYTES, needed)
+
+
+def build_model_and_cache(config: EngineConfig, spec: ModelSpec) -> BuiltModel:
+    """Model parameters on the device, an empty KV pool, and the resulting max_model_len."""
+    dtype = resolve_dtype(config.dtype)
+    dtype_name = _DTYPE_NAMES[jnp.dtype(dtype)]
+    if config.max_model_len is not None and config.max_model_len > spec.max_position_embeddings:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's maximum positions "
+                         f"({spec.max_position_embeddings})")
+    num_pages = kv_pool_pages(spec, kv_budget_bytes(config, spec, dtype_name), config.page_size, dtype_name)
+    usable_tokens = (num_pages - 1) * config.page_size
+    if usable_tokens < config.page_size:
+        raise ValueError("the KV cache budget holds less than one page; raise kv_cache_memory")
+    max_model_len = config.max_model_len or min(spec.max_position_embeddings, usable_tokens)
+    if max_model_len > usable_tokens:
+        raise ValueError(f"max_model_len {max_model_len} needs {max_model_len} KV slots but the pool holds "
+                         f"{usable_tokens}; raise kv_cache_memory or lower max_model_len")
+    model = load_model(config, spec, dtype)
+    return BuiltModel(model=model, kv_caches=init_kv_cache(spec, num_pages, config.page_size, dtype),
+                      dtype=jnp.dtype(dtype), num_pages=num_pages, max_model_len=max_model_len)
