@@ -1,0 +1,175 @@
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2) in Flax NNX over a paged KV cache.
+
+Weights live in the layout the matmul reads (`x @ W`, W as [in, out]) and each layer is its own module
+(a list, not stacked arrays): XLA on CPU reads both fastest. Fused projections are grouped so tensor
+parallelism can later shard them on a leading axis without re-laying them out:
+
+- qkv: [hidden, kv_heads, group + 2, head_dim]; for KV head j, slots 0..group-1 are its query heads
+  (HF head j * group + i), slot group is its key, slot group + 1 its value.
+- gate_up: [hidden, 2, intermediate] (gate, then up).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from jaxserve.model.metadata import AttentionMetadata
+from jaxserve.model.paged_attention import paged_attention, write_kv
+from jaxserve.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from planner.memory import kv_bytes_per_token
+from planner.model_spec import ModelSpec
+
+# Per layer (k, v), each [num_pages, page_size, kv_heads, head_dim].
+KVCaches = list[tuple[jax.Array, jax.Array]]
+
+_DTYPE_NAMES = {jnp.dtype(jnp.float32): "float32", jnp.dtype(jnp.bfloat16): "bfloat16",
+                jnp.dtype(jnp.float16): "float16"}
+
+
+def resolve_dtype(dtype: str | jnp.dtype = "auto", platform: str | None = None) -> jnp.dtype:
+    """Resolve "auto" to float32 on CPU and bfloat16 on GPU/TPU; other names pass through jnp.dtype."""
+    if isinstance(dtype, str) and dtype == "auto":
+        platform = platform or jax.default_backend()
+        return jnp.dtype(jnp.float32 if platform == "cpu" else jnp.bfloat16)
+    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+    return jnp.dtype(aliases.get(dtype, dtype) if isinstance(dtype, str) else dtype)
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype: jnp.dtype) -> jax.Array:
+    return (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm, computed in float32 as HF does."""
+
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * xf.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """GQA self-attention with a fused, KV-head-grouped qkv projection and paged KV."""
+
+    def __init__(self, spec: ModelSpec, dtype: jnp.dtype, rngs: nnx.Rngs):
+        h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
+        self.group = h // kvh
+        hidden = spec.hidden_size
+        self.qkv = nnx.Param(_normal(rngs, (hidden, kvh, self.group + 2, d), hidden**-0.5, dtype))
+        self.qkv_bias = (nnx.Param(_normal(rngs, (kvh, self.group + 2, d), 0.02, dtype))
+                         if spec.qkv_bias else None)
+        self.o = nnx.Param(_normal(rngs, (h * d, hidden), (h * d) ** -0.5, dtype))
+        self.scale = d**-0.5
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv: tuple[jax.Array, jax.Array],
+                 meta: AttentionMetadata) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        t = x.shape[0]
+        w = self.qkv[...]
+        qkv = (x @ w.reshape(w.shape[0], -1)).reshape(t, self.num_kv_heads, self.group + 2, self.head_dim)
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias[...]
+        q = qkv[:, :, : self.group].reshape(t, self.num_heads, self.head_dim)
+        k, v = qkv[:, :, self.group], qkv[:, :, self.group + 1]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
+        o = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return o.reshape(t, -1) @ self.o[...], (k_cache, v_cache)
+
+
+class MLP(nnx.Module):
+    """SwiGLU with a fused gate/up projection."""
+
+    def __init__(self, spec: ModelSpec, dtype: jnp.dtype, rngs: nnx.Rngs):
+        hidden, inter = spec.hidden_size, spec.intermediate_size
+        self.gate_up = nnx.Param(_normal(rngs, (hidden, 2, inter), hidden**-0.5, dtype))
+        self.down = nnx.Param(_normal(rngs, (inter, hidden), inter**-0.5, dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.gate_up[...]
+        gu = (x @ w.reshape(w.shape[0], -1)).reshape(x.shape[0], 2, -1)
+        return (jax.nn.silu(gu[:, 0]) * gu[:, 1]) @ self.down[...]
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm attention block then pre-norm MLP block, each with a residual."""
+
+    def __init__(self, spec: ModelSpec, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.attn = Attention(spec, dtype, rngs)
+        self.post_attn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.mlp = MLP(spec, dtype, rngs)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv: tuple[jax.Array, jax.Array],
+                 meta: AttentionMetadata) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        a, kv = self.attn(self.input_norm(x), cos, sin, kv, meta)
+        x = x + a
+        return x + self.mlp(self.post_attn_norm(x)), kv
+
+
+class LlamaForCausalLM(nnx.Module):
+    """The decoder stack, final norm and (tied or untied) LM head."""
+
+    def __init__(self, spec: ModelSpec, dtype: jnp.dtype | str = jnp.float32, *, rngs: nnx.Rngs):
+        if spec.is_moe or spec.is_mla:
+            raise ValueError(f"{spec.name}: MoE/MLA architectures ({spec.architecture}) are not supported")
+        if spec.num_heads % spec.num_kv_heads:
+            raise ValueError(f"{spec.name}: num_heads {spec.num_heads} not a multiple of {spec.num_kv_heads}")
+        dtype = resolve_dtype(dtype)
+        self.num_layers = spec.num_layers
+        self.dtype = dtype
+        # Embedding rows of norm ~1 keep the residual stream sane; tied heads then give logits of std ~1.
+        std = spec.hidden_size**-0.5 if spec.tie_word_embeddings else 1.0
+        self.embed = nnx.Param(_normal(rngs, (spec.vocab_size, spec.hidden_size), std, dtype))
+        self.layers = nnx.List([DecoderLayer(spec, dtype, rngs) for _ in range(spec.num_layers)])
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.lm_head = (None if spec.tie_word_embeddings else
+                        nnx.Param(_normal(rngs, (spec.hidden_size, spec.vocab_size), spec.hidden_size**-0.5,
+                                          dtype)))
+        # Static (hashable) so the graph definition carries it, not the parameter state.
+        inv_freq = rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+        self.inv_freq = tuple(float(f) for f in inv_freq)
+
+    def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_caches: KVCaches,
+                 meta: AttentionMetadata) -> tuple[jax.Array, KVCaches]:
+        """Run T tokens; returns the final-normed hidden states [T, hidden] and the updated caches."""
+        x = jnp.take(self.embed[...], token_ids, axis=0)
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        new_caches = []
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x, kv = layer(x, cos, sin, kv, meta)
+            new_caches.append(kv)
+        return self.norm(x), new_caches
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        """Float32 logits [N, vocab] of hidden rows [N, hidden]."""
+        w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        logits = hidden @ w
+        return logits.astype(jnp.float32)
+
+
+def init_kv_cache(spec: ModelSpec, num_pages: int, page_size: int,
+                  dtype: jnp.dtype | str = jnp.float32) -> KVCaches:
+    """Zeroed per-layer (k, v) page pools, each [num_pages, page_size, kv_heads, head_dim] (page 0: trash)."""
+    dtype = resolve_dtype(dtype)
+    shape = (num_pages, page_size, spec.num_kv_heads, spec.head_dim)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(spec.num_layers)]
+
+
+def kv_cache_bytes(spec: ModelSpec, num_pages: int, page_size: int,
+                   dtype: jnp.dtype | str = jnp.float32) -> int:
+    """Bytes `init_kv_cache` allocates (all layers, K and V); equals the planner's formula times tokens."""
+    dtype = resolve_dtype(dtype)
+    return 2 * spec.num_layers * num_pages * page_size * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+
+
+def planner_kv_bytes(spec: ModelSpec, num_pages: int, page_size: int, dtype: jnp.dtype | str) -> float:
+    """The planner's prediction for the same pool (tp=1), for cross-checks."""
+    return num_pages * page_size * kv_bytes_per_token(spec, _DTYPE_NAMES[resolve_dtype(dtype)])

@@ -1,0 +1,150 @@
+"""Paged attention over a ragged batch in plain jnp (CPU and GPU).
+
+Layout of one layer's cache: K and V each `[num_pages, page_size, kv_heads, head_dim]`; page 0 is the trash
+page padded tokens write into. Cost is O(sequences x actual context): every loop is bounded by the real KV
+lengths, never by the page-table width (which the runner pads to max_model_len) nor by the token count of
+other sequences. Query heads are grouped over their KV head (GQA/MQA) so KV is never repeated.
+
+`paged_attention(q, k_cache, v_cache, meta, scale)` is the one signature a Pallas or cuDNN kernel can take
+over later.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxserve.model.metadata import AttentionMetadata
+
+# KV tokens per inner block (rounded to whole pages) and query rows per prefill block.
+DEFAULT_KV_BLOCK = 256
+DEFAULT_Q_BLOCK = 128
+
+
+def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
+             slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Scatter new K/V [T, kv_heads, head_dim] into their slots (page * page_size + offset)."""
+    num_pages, page_size, kvh, d = k_cache.shape
+    flat = (num_pages * page_size, kvh, d)
+    k_cache = k_cache.reshape(flat).at[slot_mapping].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.reshape(flat).at[slot_mapping].set(v.astype(v_cache.dtype), mode="drop")
+    return k_cache.reshape(num_pages, page_size, kvh, d), v_cache.reshape(num_pages, page_size, kvh, d)
+
+
+def _gather_block(cache: jax.Array, page_row: jax.Array, first_page: jax.Array,
+                  block_pages: int) -> jax.Array:
+    """KV of `block_pages` pages of one sequence as [block_pages * page_size, kv_heads, head_dim]."""
+    pages = lax.dynamic_slice_in_dim(page_row, first_page, block_pages)
+    blk = cache[pages]
+    return blk.reshape(-1, *cache.shape[2:])
+
+
+def _online_update(carry: tuple, s: jax.Array, mask: jax.Array, vb: jax.Array, pv_eq: str) -> tuple:
+    """One online-softmax step. s [..., Q, K] float32 scores; mask like s; vb the block's values."""
+    m, den, acc = carry
+    s = jnp.where(mask, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(s - m_safe[..., None])
+    alpha = jnp.exp(m - m_safe)
+    den = den * alpha + jnp.sum(p, axis=-1)
+    acc = acc * alpha[..., None] + jnp.einsum(pv_eq, p, vb.astype(jnp.float32))
+    return m_new, den, acc
+
+
+def _finish(den: jax.Array, acc: jax.Array) -> jax.Array:
+    return jnp.where(den[..., None] > 0, acc / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+
+
+def _decode_one(q1: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_row: jax.Array, kv_len: jax.Array,
+                scale: float, block_pages: int) -> jax.Array:
+    """Attention of one query token q1 [kvh, g, d] over its sequence's first kv_len cached tokens."""
+    kvh, g, d = q1.shape
+    page_size = k_cache.shape[1]
+    block = block_pages * page_size
+    qf = q1.astype(jnp.float32) * scale
+
+    def body(b: jax.Array, carry: tuple) -> tuple:
+        kb = _gather_block(k_cache, page_row, b * block_pages, block_pages)  # [B, kvh, d]
+        vb = _gather_block(v_cache, page_row, b * block_pages, block_pages)
+        s = jnp.einsum("kgd,tkd->kgt", qf, kb.astype(jnp.float32))
+        mask = (b * block + jnp.arange(block) < kv_len)[None, None, :]
+        return _online_update(carry, s, mask, vb, "kgt,tkd->kgd")
+
+    init = (jnp.full((kvh, g), -jnp.inf, jnp.float32), jnp.zeros((kvh, g), jnp.float32),
+            jnp.zeros((kvh, g, d), jnp.float32))
+    _, den, acc = lax.fori_loop(0, (kv_len + block - 1) // block, body, init)
+    return _finish(den, acc)
+
+
+def _prefill_block(qb: jax.Array, q_pos0: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                   page_row: jax.Array, kv_len: jax.Array, kv_end: jax.Array, scale: float,
+                   block_pages: int) -> jax.Array:
+    """Causal attention of a query block qb [Bq, kvh, g, d] at positions q_pos0 + i, over KV [0, kv_end)."""
+    bq, kvh, g, d = qb.shape
+    page_size = k_cache.shape[1]
+    block = block_pages * page_size
+    qf = qb.astype(jnp.float32) * scale
+    q_pos = q_pos0 + jnp.arange(bq)
+
+    def body(b: jax.Array, carry: tuple) -> tuple:
+        kb = _gather_block(k_cache, page_row, b * block_pages, block_pages)
+        vb = _gather_block(v_cache, page_row, b * block_pages, block_pages)
+        s = jnp.einsum("qkgd,tkd->kgqt", qf, kb.astype(jnp.float32))
+        t_pos = b * block + jnp.arange(block)
+        mask = ((t_pos[None, :] <= q_pos[:, None]) & (t_pos[None, :] < kv_len))[None, None]
+        return _online_update(carry, s, mask, vb, "kgqt,tkd->kgqd")
+
+    init = (jnp.full((kvh, g, bq), -jnp.inf, jnp.float32), jnp.zeros((kvh, g, bq), jnp.float32),
+            jnp.zeros((kvh, g, bq, d), jnp.float32))
+    _, den, acc = lax.fori_loop(0, (kv_end + block - 1) // block, body, init)
+    return jnp.transpose(_finish(den, acc), (2, 0, 1, 3))  # [Bq, kvh, g, d]
+
+
+def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata,
+                    scale: float, *, kv_block: int = DEFAULT_KV_BLOCK,
+                    q_block: int = DEFAULT_Q_BLOCK) -> jax.Array:
+    """Causal attention of ragged queries q [T, H, D] over paged K/V (already holding this step's tokens).
+
+    Decode sequences (the first `num_decodes`, one query each) loop over their own KV blocks; prefill chunks
+    loop over query blocks of `q_block` rows and, for each, over the KV blocks up to the causal limit.
+    Rows of padded tokens come back as zeros.
+    """
+    t, h, d = q.shape
+    page_size, kvh = k_cache.shape[1], k_cache.shape[2]
+    g = h // kvh
+    block_pages = max(1, kv_block // page_size)
+    # Pad the page table so a block's dynamic slice never clips (clipping would shift the pages it reads).
+    page_table = jnp.pad(meta.page_table, ((0, 0), (0, block_pages)))
+    qg = q.reshape(t, kvh, g, d)
+    out = jnp.zeros((t + q_block, kvh, g, d), jnp.float32)
+
+    def decode_body(s: jax.Array, out: jax.Array) -> jax.Array:
+        o = _decode_one(qg[s], k_cache, v_cache, page_table[s], meta.kv_lens[s], scale, block_pages)
+        return lax.dynamic_update_slice_in_dim(out, o[None], s, axis=0)
+
+    out = lax.fori_loop(0, meta.num_decodes, decode_body, out)
+
+    q_pad = jnp.pad(qg, ((0, q_block), (0, 0), (0, 0), (0, 0)))
+
+    def prefill_seq(s: jax.Array, out: jax.Array) -> jax.Array:
+        q_start, q_end = meta.cu_q_lens[s], meta.cu_q_lens[s + 1]
+        q_len, kv_len = q_end - q_start, meta.kv_lens[s]
+        ctx = kv_len - q_len  # position of the first query token
+        page_row = page_table[s]
+
+        def qblock_body(i: jax.Array, out: jax.Array) -> jax.Array:
+            row0 = q_start + i * q_block
+            qb = lax.dynamic_slice_in_dim(q_pad, row0, q_block, axis=0)
+            kv_end = jnp.minimum(kv_len, ctx + (i + 1) * q_block)
+            o = _prefill_block(qb, ctx + i * q_block, k_cache, v_cache, page_row, kv_len, kv_end, scale,
+                               block_pages)
+            old = lax.dynamic_slice_in_dim(out, row0, q_block, axis=0)
+            keep = (row0 + jnp.arange(q_block) < q_end)[:, None, None, None]
+            return lax.dynamic_update_slice_in_dim(out, jnp.where(keep, o, old), row0, axis=0)
+
+        return lax.fori_loop(0, (q_len + q_block - 1) // q_block, qblock_body, out)
+
+    out = lax.fori_loop(meta.num_decodes, meta.num_seqs, prefill_seq, out)
+    return out[:t].reshape(t, h, d).astype(q.dtype)

@@ -1,0 +1,155 @@
+"""Paged attention vs a dense masked reference on random ragged batches (decodes, prefill chunks, padding)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxserve.model.metadata import AttentionMetadata
+from jaxserve.model.paged_attention import paged_attention, write_kv
+
+jax.config.update("jax_enable_x64", False)
+
+# Fixed bucket shapes so each head configuration compiles once.
+T_PAD, S_PAD, PAGES_PER_SEQ, PAGE_SIZE, NUM_PAGES, D = 48, 8, 12, 4, 80, 16
+
+
+def build_batch(rng: np.random.Generator, decode_ctx: list[int], prefill: list[tuple[int, int]]):
+    """Decodes (context lengths incl. the new token) then prefill chunks (q_len, prior context).
+
+    Returns host arrays of an AttentionMetadata padded to the fixed bucket, with shuffled distinct pages.
+    """
+    q_lens = [1] * len(decode_ctx) + [q for q, _ in prefill]
+    kv_lens = list(decode_ctx) + [q + c for q, c in prefill]
+    n = len(q_lens)
+    cu = np.zeros(S_PAD + 1, np.int32)
+    cu[1 : n + 1] = np.cumsum(q_lens)
+    cu[n + 1 :] = cu[n]
+    kv = np.zeros(S_PAD, np.int32)
+    kv[:n] = kv_lens
+    pages = rng.permutation(np.arange(1, NUM_PAGES))
+    table = np.zeros((S_PAD, PAGES_PER_SEQ), np.int32)
+    used = 0
+    slot = np.zeros(T_PAD, np.int32)  # padded tokens -> trash page 0
+    for s in range(n):
+        need = -(-kv_lens[s] // PAGE_SIZE)
+        table[s, :need] = pages[used : used + need]
+        used += need
+        pos = np.arange(kv_lens[s] - q_lens[s], kv_lens[s])
+        slot[cu[s] : cu[s + 1]] = table[s, pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
+    return dict(slot_mapping=slot, cu_q_lens=cu, kv_lens=kv, page_table=table, num_seqs=np.int32(n),
+                num_decodes=np.int32(len(decode_ctx)))
+
+
+def dense_reference(q, k_cache, v_cache, m, scale):
+    """Per-sequence dense causal attention in numpy (float64), KV heads repeated."""
+    t, h, d = q.shape
+    kvh = k_cache.shape[2]
+    out = np.zeros((t, h, d))
+    for s in range(int(m["num_seqs"])):
+        lo, hi, kv_len = m["cu_q_lens"][s], m["cu_q_lens"][s + 1], m["kv_lens"][s]
+        idx = np.arange(kv_len)
+        slots = m["page_table"][s, idx // PAGE_SIZE] * PAGE_SIZE + idx % PAGE_SIZE
+        k = k_cache.reshape(-1, kvh, d)[slots].astype(np.float64)
+        v = v_cache.reshape(-1, kvh, d)[slots].astype(np.float64)
+        k, v = np.repeat(k, h // kvh, axis=1), np.repeat(v, h // kvh, axis=1)
+        qs = q[lo:hi].astype(np.float64)
+        scores = np.einsum("qhd,khd->hqk", qs, k) * scale
+        q_pos = kv_len - (hi - lo) + np.arange(hi - lo)
+        scores = np.where(idx[None, None, :] <= q_pos[None, :, None], scores, -np.inf)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out[lo:hi] = np.einsum("hqk,khd->qhd", p, v)
+    return out
+
+
+@functools.cache
+def attention_fn(kv_block: int, q_block: int):
+    return jax.jit(functools.partial(paged_attention, scale=D**-0.5, kv_block=kv_block, q_block=q_block))
+
+
+def check(rng, heads, kv_heads, decode_ctx, prefill, kv_block=8, q_block=8):
+    m = build_batch(rng, decode_ctx, prefill)
+    q = rng.standard_normal((T_PAD, heads, D), dtype=np.float32)
+    k_cache = rng.standard_normal((NUM_PAGES, PAGE_SIZE, kv_heads, D), dtype=np.float32)
+    v_cache = rng.standard_normal((NUM_PAGES, PAGE_SIZE, kv_heads, D), dtype=np.float32)
+    meta = AttentionMetadata(**{k: jnp.asarray(v) for k, v in m.items()})
+    fn = attention_fn(kv_block, q_block)
+    out = np.asarray(fn(jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache), meta))
+    ref = dense_reference(q, k_cache, v_cache, m, D**-0.5)
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
+    n_tok = int(m["cu_q_lens"][-1])
+    assert np.all(out[n_tok:] == 0), "padded rows must come back as zeros"
+
+
+HEADS = [(4, 2), (4, 1), (2, 2)]  # GQA, MQA, MHA
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), HEADS)
+def test_mixed_batch(heads, kv_heads):
+    rng = np.random.default_rng(heads * 10 + kv_heads)
+    # Two decodes (one at a page boundary), a fresh prefill longer than a q block, a chunk with prior context,
+    # and a one-token prefill chunk.
+    check(rng, heads, kv_heads, [4, 17], [(11, 0), (9, 13), (1, 6)])
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), HEADS)
+def test_only_decodes_and_only_prefill(heads, kv_heads):
+    rng = np.random.default_rng(7)
+    check(rng, heads, kv_heads, [1, 2, 3, 40, 47, 9, 5, 33], [])
+    check(rng, heads, kv_heads, [], [(20, 27)])
+    check(rng, heads, kv_heads, [], [])
+
+
+def test_block_sizes_do_not_change_result():
+    rng = np.random.default_rng(3)
+    for kv_block, q_block in [(4, 4), (16, 32), (256, 128)]:
+        check(rng, 4, 2, [30, 3], [(14, 5), (7, 0)], kv_block=kv_block, q_block=q_block)
+
+
+@st.composite
+def ragged(draw):
+    n_dec = draw(st.integers(0, 4))
+    decode_ctx = [draw(st.integers(1, PAGES_PER_SEQ * PAGE_SIZE)) for _ in range(n_dec)]
+    prefill = []
+    budget = T_PAD - n_dec
+    for _ in range(draw(st.integers(0, S_PAD - n_dec))):
+        if budget <= 0:
+            break
+        q = draw(st.integers(1, min(budget, 20)))
+        c = draw(st.integers(0, PAGES_PER_SEQ * PAGE_SIZE - q))
+        prefill.append((q, c))
+        budget -= q
+    return decode_ctx, prefill
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), HEADS[:2])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=ragged(), seed=st.integers(0, 2**16))
+def test_property_random_ragged(heads, kv_heads, batch, seed):
+    decode_ctx, prefill = batch
+    # Pages must suffice for the whole batch.
+    need = sum(-(-c // PAGE_SIZE) for c in decode_ctx) + sum(-(-(q + c) // PAGE_SIZE) for q, c in prefill)
+    if need > NUM_PAGES - 1:
+        return
+    check(np.random.default_rng(seed), heads, kv_heads, decode_ctx, prefill)
+
+
+def test_write_kv_scatters_into_slots():
+    rng = np.random.default_rng(0)
+    k_cache = jnp.zeros((6, 4, 2, 3))
+    v_cache = jnp.zeros((6, 4, 2, 3))
+    k = rng.standard_normal((3, 2, 3), dtype=np.float32)
+    v = rng.standard_normal((3, 2, 3), dtype=np.float32)
+    slots = np.array([21, 5, 0], np.int32)
+    kc, vc = jax.jit(write_kv)(k_cache, v_cache, jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots))
+    np.testing.assert_array_equal(np.asarray(kc)[5, 1], k[0])
+    np.testing.assert_array_equal(np.asarray(vc)[1, 1], v[1])
+    np.testing.assert_array_equal(np.asarray(kc)[0, 0], k[2])
+    assert float(jnp.abs(kc).sum()) == pytest.approx(float(np.abs(k).sum()), rel=1e-6)
