@@ -201,6 +201,8 @@ def spec_from_hf_config(config: dict[str, Any], name: str = "custom") -> ModelSp
         raise ModelSpecError(
             f"unsupported architecture {archs or config.get('model_type')!r}; supported: "
             + ", ".join(SUPPORTED_ARCHITECTURES))
+    # transformers >= 5 writes rope_theta and rope scaling together as `rope_parameters`.
+    rope_params = config.get("rope_parameters") or {}
     try:
         hidden = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])
@@ -212,8 +214,9 @@ def spec_from_hf_config(config: dict[str, Any], name: str = "custom") -> ModelSp
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=bool(config.get("attention_bias", arch == "qwen2")),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(config.get("rope_theta", 10000.0)),
-            rope_scaling=config.get("rope_scaling"),
+            rope_theta=float(config.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
+            rope_scaling=config.get("rope_scaling") or (
+                rope_params if rope_params.get("rope_type", "default") != "default" else None),
             max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
             bos_token_id=_first_id(config.get("bos_token_id")),
             eos_token_id=_first_id(config.get("eos_token_id")),
