@@ -1,7 +1,7 @@
 """Batched token sampling: greedy, temperature, top-k, top-p, min-p, with a per-request seed.
 
 Each row draws one uniform number from `fold_in(key(seed), step)`, where `step` is the index of the token
-being generated, and inverts the filtered distribution's CDF. A request's samples therefore depend only on
+being generated, and inverts the filtered distribution's CDF in vocabulary order. A request's samples therefore depend only on
 its own logits, seed and position, never on what else shares the batch. The vocabulary sort that top-k, top-p
 and min-p need runs only when some row asks for them (`lax.cond`), so plain sampling stays O(vocab).
 """
@@ -48,12 +48,10 @@ class SamplingArrays:
         return a
 
 
-def _filtered_draw(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
-                   u: jax.Array) -> jax.Array:
-    """Draw from top-k, then top-p, then min-p filtered rows: one descending sort per row."""
+def _filter_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Per-row smallest kept logit after top-k, then top-p, then min-p: one descending sort per row."""
     vocab = scaled.shape[-1]
-    order = jnp.argsort(-scaled, axis=-1)
-    srt = jnp.take_along_axis(scaled, order, axis=-1)
+    srt = -jnp.sort(-scaled, axis=-1)
     e = jnp.exp(srt - srt[:, :1])  # probabilities relative to the most likely token
     cum = jnp.cumsum(e, axis=-1)
     n_k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
@@ -61,13 +59,11 @@ def _filtered_draw(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p:
     n_p = jnp.sum((cum - e) < top_p[:, None] * mass_k, axis=-1)
     n_min = jnp.sum(e >= min_p[:, None], axis=-1)
     n = jnp.maximum(1, jnp.minimum(jnp.minimum(n_k, n_p), n_min))
-    target = u[:, None] * jnp.take_along_axis(cum, (n - 1)[:, None], axis=-1)
-    j = jnp.minimum(jnp.sum(cum < target, axis=-1), n - 1)
-    return jnp.take_along_axis(order, j[:, None], axis=-1)[:, 0]
+    return jnp.take_along_axis(srt, (n - 1)[:, None], axis=-1)[:, 0]
 
 
-def _plain_draw(scaled: jax.Array, u: jax.Array) -> jax.Array:
-    """Draw from unfiltered rows by inverting the CDF in vocabulary order (no sort)."""
+def _draw(scaled: jax.Array, u: jax.Array) -> jax.Array:
+    """Invert each row's CDF in vocabulary order at its uniform `u` (filtered tokens hold -inf)."""
     cum = jnp.cumsum(jnp.exp(scaled - scaled.max(axis=-1, keepdims=True)), axis=-1)
     j = jnp.sum(cum < u[:, None] * cum[:, -1:], axis=-1)
     return jnp.minimum(j, scaled.shape[-1] - 1)
@@ -86,13 +82,14 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     needs_sort = jnp.any((temperature > 0) & ((top_k > 0) | (top_p < 1.0) | (min_p > 0)))
-    drawn = jax.lax.cond(needs_sort, lambda: _filtered_draw(scaled, top_k, top_p, min_p, u),
-                         lambda: _plain_draw(scaled, u))
+    threshold = jax.lax.cond(needs_sort, lambda: _filter_threshold(scaled, top_k, top_p, min_p),
+                             lambda: jnp.full(scaled.shape[:1], -jnp.inf, scaled.dtype))
+    drawn = _draw(jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf), u)
     tokens = jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     token_logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    k = min(NUM_TOP_LOGPROBS, logits.shape[-1])
     top_lp, top_ids = jax.lax.cond(
-        want_logprobs, lambda: jax.lax.top_k(logprobs, NUM_TOP_LOGPROBS),
-        lambda: (jnp.zeros((logits.shape[0], NUM_TOP_LOGPROBS), logits.dtype),
-                 jnp.zeros((logits.shape[0], NUM_TOP_LOGPROBS), jnp.int32)))
+        want_logprobs, lambda: tuple(jax.lax.top_k(logprobs, k)),
+        lambda: (jnp.zeros((logits.shape[0], k), logits.dtype), jnp.zeros((logits.shape[0], k), jnp.int32)))
     return tokens, token_logprob, top_ids, top_lp

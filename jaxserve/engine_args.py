@@ -1,0 +1,77 @@
+"""Engine flags shared by every command that builds an engine (`serve`, `generate`, `bench`, `report`).
+
+Names follow `vllm serve`; they map one-to-one onto `EngineConfig` fields.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from jaxserve.engine_config import EngineConfig
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '512MiB', '2GB' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise click.BadParameter(f"{text!r} is not a size (e.g. 1073741824, 512MiB, 2GiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+class _Bytes(click.ParamType):
+    name = "SIZE"
+
+    def convert(self, value: Any, param, ctx) -> int:
+        return value if isinstance(value, int) else parse_bytes(str(value))
+
+
+_OPTIONS = [
+    click.option("--model", default=EngineConfig.model, show_default=True,
+                 help="Preset name (tiny, small, ...) or HF checkpoint folder."),
+    click.option("--dtype", default="auto", show_default=True,
+                 type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+                 help="auto: float32 on CPU, bfloat16 on GPU/TPU."),
+    click.option("--seed", default=0, show_default=True, type=int),
+    click.option("--max-num-seqs", default=EngineConfig.max_num_seqs, show_default=True,
+                 type=click.IntRange(min=1)),
+    click.option("--max-num-batched-tokens", default=EngineConfig.max_num_batched_tokens, show_default=True,
+                 type=click.IntRange(min=1), help="Token budget of one step."),
+    click.option("--chunk-size", default=EngineConfig.chunk_size, show_default=True,
+                 type=click.IntRange(min=1), help="Largest prefill chunk of one request per step."),
+    click.option("--block-size", "page_size", default=EngineConfig.page_size, show_default=True,
+                 type=click.IntRange(min=1), help="Tokens per KV page."),
+    click.option("--kv-cache-memory", type=_Bytes(), default=None,
+                 help="KV pool bytes per device (e.g. 512MiB); default: a fraction of GPU memory, 1 GiB on CPU."),
+    click.option("--gpu-memory-utilization", default=0.9, show_default=True, type=click.FloatRange(0, 1)),
+    click.option("--max-model-len", type=click.IntRange(min=1), default=None),
+    click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True),
+    click.option("--scheduling-policy", type=click.Choice(["fcfs", "lpm"]), default="fcfs", show_default=True),
+    click.option("--tensor-parallel-size", "-tp", default=1, show_default=True, type=click.IntRange(min=1)),
+]
+
+
+def engine_options(fn: Callable) -> Callable:
+    """Decorate a click command with every engine flag."""
+    for option in reversed(_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+ENGINE_OPTION_NAMES = ("model", "dtype", "seed", "max_num_seqs", "max_num_batched_tokens", "chunk_size",
+                       "page_size", "kv_cache_memory", "gpu_memory_utilization", "max_model_len",
+                       "enable_prefix_caching", "scheduling_policy", "tensor_parallel_size")
+
+
+def config_from_options(options: dict[str, Any], **overrides: Any) -> EngineConfig:
+    """Pop the engine flags out of a command's kwargs into an EngineConfig (bad values -> UsageError)."""
+    fields = {name: options.pop(name) for name in ENGINE_OPTION_NAMES if name in options}
+    try:
+        return EngineConfig(**fields, **overrides)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None

@@ -1,0 +1,80 @@
+"""The batched sampler: filters, seeds and logprobs, on hand-made logits."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve.sampler import SamplingArrays, sample_tokens
+from jaxserve.sampling_params import SamplingParams
+
+sample = jax.jit(sample_tokens)
+
+
+def draw(logits: np.ndarray, rows: list[tuple[SamplingParams, int, int]]):
+    a = SamplingArrays.build(rows, len(rows))
+    out = sample(np.asarray(logits, np.float32), a.temperature, a.top_k, a.top_p, a.min_p, a.seed, a.step,
+                 np.bool_(a.want_logprobs))
+    return [np.asarray(x) for x in out]
+
+
+@pytest.fixture(scope="module")
+def logits() -> np.ndarray:
+    return np.random.default_rng(0).normal(size=(4, 50)).astype(np.float32) * 2
+
+
+def test_greedy_rows_take_the_argmax(logits):
+    tokens, *_ = draw(logits, [(SamplingParams(temperature=0), 0, 0)] * 4)
+    assert (tokens == logits.argmax(-1)).all()
+
+
+def test_a_seeded_row_draws_the_same_token_whatever_its_neighbours(logits):
+    p = SamplingParams(temperature=1.0, seed=7)
+    alone, *_ = draw(logits[:1], [(p, 7, 3)])
+    other = SamplingParams(temperature=0.7, top_k=5)
+    crowded, *_ = draw(np.concatenate([logits[2:3], logits[:1], logits[3:4]]), [(other, 1, 0), (p, 7, 3), (other, 2, 9)])
+    assert alone[0] == crowded[1]
+
+
+def test_different_steps_and_seeds_draw_differently(logits):
+    p = SamplingParams(temperature=5.0)
+    row = np.repeat(logits[:1], 16, axis=0)
+    tokens, *_ = draw(row, [(p, 1, step) for step in range(16)])
+    assert len(set(tokens.tolist())) > 4
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_k=1),
+                                    SamplingParams(temperature=1.0, top_p=1e-6),
+                                    SamplingParams(temperature=1.0, min_p=1.0)])
+def test_filters_that_keep_one_token_are_greedy(logits, params):
+    tokens, *_ = draw(logits, [(params, s, 0) for s in range(4)])
+    assert (tokens == logits.argmax(-1)).all()
+
+
+def test_top_k_draws_only_among_the_k_largest(logits):
+    row = np.repeat(logits[:1], 64, axis=0)
+    tokens, *_ = draw(row, [(SamplingParams(temperature=10.0, top_k=3), s, 0) for s in range(64)])
+    top3 = set(np.argsort(-logits[0])[:3].tolist())
+    assert set(tokens.tolist()) <= top3 and len(set(tokens.tolist())) == 3
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    row = np.repeat(np.log(probs)[None].astype(np.float32), 200, axis=0)
+    tokens, *_ = draw(row, [(SamplingParams(temperature=1.0, top_p=0.7), s, 0) for s in range(200)])
+    assert set(tokens.tolist()) == {0, 1}
+
+
+def test_plain_sampling_follows_the_softmax():
+    probs = np.array([0.6, 0.3, 0.1])
+    row = np.repeat(np.log(probs)[None].astype(np.float32), 2000, axis=0)
+    tokens, *_ = draw(row, [(SamplingParams(temperature=1.0), s, 0) for s in range(2000)])
+    freq = np.bincount(tokens, minlength=3) / 2000
+    assert np.abs(freq - probs).max() < 0.04
+
+
+def test_logprobs_are_of_the_model_distribution(logits):
+    tokens, lp, top_ids, top_lp = draw(logits, [(SamplingParams(temperature=0, logprobs=3), 0, 0)] * 4)
+    ref = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    np.testing.assert_allclose(lp, ref[np.arange(4), tokens], rtol=1e-5, atol=1e-5)
+    assert (top_ids[:, 0] == tokens).all()
+    np.testing.assert_allclose(top_lp[:, :3], -np.sort(-ref, axis=-1)[:, :3], rtol=1e-5, atol=1e-5)
