@@ -1,8 +1,8 @@
 """Batched token sampling: greedy, temperature, top-k, top-p, min-p, with a per-request seed.
 
 Each row draws one uniform number from `fold_in(key(seed), step)`, where `step` is the index of the token
-being generated, and inverts the filtered distribution's CDF in vocabulary order. A request's samples therefore depend only on
-its own logits, seed and position, never on what else shares the batch. The vocabulary sort that top-k, top-p
+being generated, and inverts the filtered distribution's CDF in vocabulary order. A request's samples
+therefore depend only on its own logits, seed and position, never on what else shares the batch. The vocabulary sort that top-k, top-p
 and min-p need runs only when some row asks for them (`lax.cond`), so plain sampling stays O(vocab).
 """
 

@@ -31,7 +31,8 @@ def test_a_seeded_row_draws_the_same_token_whatever_its_neighbours(logits):
     p = SamplingParams(temperature=1.0, seed=7)
     alone, *_ = draw(logits[:1], [(p, 7, 3)])
     other = SamplingParams(temperature=0.7, top_k=5)
-    crowded, *_ = draw(np.concatenate([logits[2:3], logits[:1], logits[3:4]]), [(other, 1, 0), (p, 7, 3), (other, 2, 9)])
+    batch = np.concatenate([logits[2:3], logits[:1], logits[3:4]])
+    crowded, *_ = draw(batch, [(other, 1, 0), (p, 7, 3), (other, 2, 9)])
     assert alone[0] == crowded[1]
 
 
