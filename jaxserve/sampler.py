@@ -2,8 +2,9 @@
 
 Each row draws one uniform number from `fold_in(key(seed), step)`, where `step` is the index of the token
 being generated, and inverts the filtered distribution's CDF in vocabulary order. A request's samples
-therefore depend only on its own logits, seed and position, never on what else shares the batch. The vocabulary sort that top-k, top-p
-and min-p need runs only when some row asks for them (`lax.cond`), so plain sampling stays O(vocab).
+therefore depend only on its own logits, seed and position, never on what else shares the batch. The
+vocabulary sort that top-k, top-p and min-p need runs only when some row asks for them (`lax.cond`), so
+plain sampling stays O(vocab).
 """
 
 from __future__ import annotations
