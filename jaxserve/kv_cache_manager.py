@@ -1,0 +1,224 @@
+"""Which KV pages each request holds: a page allocator plus the radix prefix cache.
+
+A request's block table `req.page_ids` has two parts. The first `num_tree_pages` pages are full pages held by
+the radix tree along one path that the request keeps locked (shared, read-only). The rest are private pages
+from the free list: the page being filled and pages reserved for this step's tokens. As pages fill, they are
+inserted into the tree (prompt and generated tokens alike) and the lock moves down to the new deepest node.
+On free (finish, abort or preemption) the computed full pages stay in the tree, unlocked, and the private
+remainder goes back to the free list. Unlocked cached pages count as free capacity: `allocate` evicts them,
+least recently used first, when the free list runs dry.
+
+Page accounting: free list + cached-unlocked + in-use (locked tree pages + private pages) == usable pages.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from jaxserve.page_allocator import PageAllocator
+from jaxserve.radix_cache import RadixCache, RadixNode
+from jaxserve.request import Request
+
+
+@dataclass
+class _Holding:
+    """The KV a request holds: its locked tree path and how many of its pages lie on that path."""
+
+    req: Request
+    node: RadixNode | None = None  # deepest locked node (None without prefix caching)
+    num_tree_pages: int = 0
+    first_admission: bool = False  # set num_cached_tokens and the query/hit counters
+
+
+class KVCacheManager:
+    """Pages for requests: admission with prefix match, growth, caching of full pages, release."""
+
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
+        """`num_pages` counts the whole device pool including the trash page 0."""
+        if page_size < 1:
+            raise ValueError(f"page_size must be at least 1, got {page_size}")
+        self.page_size = page_size
+        self.allocator = PageAllocator(num_pages)
+        self.tree: RadixCache | None = RadixCache(page_size) if enable_prefix_caching else None
+        self._held: dict[str, _Holding] = {}
+        self.num_queried_tokens = 0  # prompt tokens looked up at first admission
+        self.num_hit_tokens = 0  # of those, served from the cache
+
+    # ---- capacity ------------------------------------------------------------------------------------
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.tree is not None
+
+    @property
+    def num_usable_pages(self) -> int:
+        return self.allocator.num_usable
+
+    @property
+    def num_evictable_pages(self) -> int:
+        return 0 if self.tree is None else self.tree.num_evictable
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages obtainable now: the free list plus unlocked cached pages."""
+        return self.allocator.num_free + self.num_evictable_pages
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_usable_pages - self.num_free_pages
+
+    @property
+    def num_evicted_pages(self) -> int:
+        return 0 if self.tree is None else self.tree.num_evicted
+
+    def usage(self) -> float:
+        """In-use pages / usable pages; cached-but-unlocked pages count as free."""
+        return self.num_used_pages / self.num_usable_pages
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages needed to hold `num_tokens` tokens of KV."""
+        return -(-num_tokens // self.page_size)
+
+    def holds(self, req: Request) -> bool:
+        return req.request_id in self._held
+
+    # ---- request lifecycle ---------------------------------------------------------------------------
+
+    def admit(self, req: Request) -> int:
+        """Start holding KV for `req`: lock its longest cached prefix and return the hit in tokens.
+
+        The match is capped at num_tokens - 1 (the last token must be computed for its logits) and floored to
+        whole pages. Sets req.page_ids and req.num_computed_tokens; on the first admission also
+        req.num_cached_tokens and the query/hit counters. `cancel_admission` undoes it.
+        """
+        if req.request_id in self._held:
+            raise ValueError(f"request {req.request_id} is already admitted")
+        holding = self._held[req.request_id] = _Holding(req)
+        req.page_ids = []
+        req.num_computed_tokens = 0
+        if self.tree is not None:
+            match = self.tree.match_prefix(req.all_token_ids[: req.num_tokens - 1], req.cache_salt)
+            self.tree.lock(match.node)
+            holding.node, holding.num_tree_pages = match.node, len(match.page_ids)
+            req.page_ids = list(match.page_ids)
+            req.num_computed_tokens = len(match.page_ids) * self.page_size
+        if req.num_cached_tokens < 0:
+            holding.first_admission = True
+            req.num_cached_tokens = req.num_computed_tokens
+            if self.tree is not None:
+                self.num_queried_tokens += req.num_prompt_tokens
+                self.num_hit_tokens += req.num_computed_tokens
+        return req.num_computed_tokens
+
+    def cancel_admission(self, req: Request) -> None:
+        """Undo `admit` for a request that could not be scheduled after all (counters included)."""
+        holding = self._held[req.request_id]
+        if holding.first_admission:
+            if self.tree is not None:
+                self.num_queried_tokens -= req.num_prompt_tokens
+                self.num_hit_tokens -= req.num_cached_tokens
+            req.num_cached_tokens = -1
+        self.free(req)
+        req.num_computed_tokens = 0
+
+    def allocate(self, req: Request, num_new_tokens: int) -> bool:
+        """Make `req` hold pages for num_computed_tokens + num_new_tokens tokens.
+
+        Evicts unlocked cached pages when the free list runs dry. Returns False, changing nothing, when even
+        that is not enough.
+        """
+        holding = self._held.get(req.request_id)
+        if holding is None:
+            holding = self._held[req.request_id] = _Holding(req)
+        need = self.pages_for(req.num_computed_tokens + num_new_tokens) - len(req.page_ids)
+        if need <= 0:
+            return True
+        if need > self.num_free_pages:
+            return False
+        short = need - self.allocator.num_free
+        if short > 0:
+            assert self.tree is not None
+            self.allocator.free(self.tree.evict(short))
+        req.page_ids.extend(self.allocator.allocate(need))
+        return True
+
+    def cache_full_pages(self, req: Request) -> None:
+        """Insert the request's newly completed full pages into the tree and move its lock to their end.
+
+        A block that another request cached first keeps the tree's page: the request switches to that page
+        (same tokens, same KV) and its own copy goes back to the free list.
+        """
+        holding = self._held.get(req.request_id)
+        if self.tree is None or holding is None:
+            return
+        num_full = min(req.num_computed_tokens // self.page_size, len(req.page_ids))
+        if num_full <= holding.num_tree_pages:
+            return
+        tokens = req.all_token_ids[: num_full * self.page_size]
+        result = self.tree.insert(tokens, req.page_ids[:num_full], req.cache_salt)
+        if result.duplicates:
+            self.allocator.free(result.duplicates)
+        req.page_ids[:num_full] = result.page_ids
+        self.tree.lock(result.node)
+        if holding.node is not None:
+            self.tree.unlock(holding.node)
+        holding.node, holding.num_tree_pages = result.node, num_full
+
+    def free(self, req: Request) -> None:
+        """Release everything `req` holds: computed full pages stay cached (unlocked), the rest is freed.
+
+        Safe to call for a request that holds nothing. Leaves req.num_computed_tokens as it was.
+        """
+        if req.request_id not in self._held:
+            req.page_ids = []
+            return
+        self.cache_full_pages(req)
+        holding = self._held.pop(req.request_id)
+        self.allocator.free(req.page_ids[holding.num_tree_pages:])
+        if self.tree is not None and holding.node is not None:
+            self.tree.unlock(holding.node)
+        req.page_ids = []
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every unlocked cached page (e.g. between benchmark runs); return how many."""
+        if self.tree is None:
+            return 0
+        freed = self.tree.evict(self.tree.num_evictable)
+        self.allocator.free(freed)
+        return len(freed)
+
+    # ---- checks --------------------------------------------------------------------------------------
+
+    def integrity_check(self) -> None:
+        """Assert free + cached-unlocked + in-use == usable, with every page in exactly one place."""
+        self.allocator.integrity_check()
+        tree_pages: list[int] = []
+        if self.tree is not None:
+            self.tree.integrity_check()
+            tree_pages = self.tree.page_ids()
+        private: list[int] = []
+        expected_locks: Counter[int] = Counter()
+        for rid, h in self._held.items():
+            assert h.req.request_id == rid, f"holding for {rid} points at {h.req.request_id}"
+            assert len(h.req.page_ids) >= h.num_tree_pages, f"{rid} has fewer pages than its tree path"
+            private.extend(h.req.page_ids[h.num_tree_pages:])
+            path: list[int] = []
+            node = h.node
+            while node is not None and not node.is_root:
+                expected_locks[id(node)] += 1
+                path.append(node.page_id)
+                node = node.parent
+            assert path[::-1] == h.req.page_ids[: h.num_tree_pages], f"{rid} block table is off its tree path"
+        free = self.allocator.free_pages()
+        everything = free + tree_pages + private
+        assert len(set(everything)) == len(everything), "a page is in two places (free, tree, private)"
+        assert set(everything) == set(range(1, self.allocator.num_pages)), "a page is lost or unknown"
+        assert set(tree_pages + private) == {p for p in range(self.allocator.num_pages)
+                                             if self.allocator.is_allocated(p)}, "allocator flags are off"
+        if self.tree is not None:
+            for node in self.tree.nodes():
+                assert node.lock_ref == expected_locks[id(node)], f"{node} lock count is not its holders'"
+        in_use = (self.tree.num_locked if self.tree is not None else 0) + len(private)
+        assert self.allocator.num_free + self.num_evictable_pages + in_use == self.num_usable_pages, (
+            "free + cached-unlocked + in-use != usable")
