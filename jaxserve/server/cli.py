@@ -1,0 +1,70 @@
+"""`jaxserve serve`: build the engine, serve the OpenAI-compatible app with uvicorn, shut down cleanly.
+
+SIGINT/SIGTERM: uvicorn stops accepting connections, in-flight requests are aborted (their responses end
+with finish_reason "abort"), the engine loop is stopped, and the process exits 0 within a few seconds.
+Heavy imports (jax, fastapi, uvicorn) happen inside the command so `jaxserve plan` stays light.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import click
+
+from jaxserve.engine_args import config_from_options, engine_options
+
+logger = logging.getLogger("jaxserve.server")
+
+
+@click.command("serve")
+@engine_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on.")
+@click.option("--served-model-name", default=None, help="Model name clients use (default: --model).")
+@click.option("--log-interval", default=10.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Seconds between stats log lines.")
+@click.option("--uvicorn-log-level", default="warning", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug", "trace"]))
+def serve(host: str, port: int, served_model_name: str | None, log_interval: float, uvicorn_log_level: str,
+          **options: Any) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API (with no --model: the synthetic preset)."""
+    config = config_from_options(options, served_model_name=served_model_name)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import uvicorn
+
+    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.server.app import build_app
+
+    t0 = time.monotonic()
+    try:
+        engine = AsyncEngine(config)
+    except ValueError as e:  # e.g. an unknown model name or a pool too small for one sequence
+        raise click.UsageError(str(e)) from None
+    engine.start()
+    app = build_app(engine, log_interval=log_interval)
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                bound = [s.getsockname() for srv in self.servers for s in (srv.sockets or [])]
+                actual = bound[0][1] if bound else port
+                logger.info("jaxserve ready: model %s at http://%s:%d/v1 (max_model_len %d, startup %.1fs)",
+                            config.model_name, host, actual, engine.max_model_len, time.monotonic() - t0)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # Abort in-flight requests so their streams end now instead of holding the shutdown.
+            app.state.generator.abort_all()
+            super().handle_exit(sig, frame)
+
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
+                                    access_log=False, timeout_graceful_shutdown=2, lifespan="on"))
+    try:
+        server.run()
+    finally:
+        engine.shutdown(timeout=2.0)
+    if not server.started:
+        raise click.ClickException(f"could not start the server on {host}:{port}")
