@@ -11,6 +11,7 @@ import sys
 import click
 
 from jaxserve.engine_args import config_from_options, engine_options
+from jaxserve.server.cli import serve
 from planner.cli import plan
 
 
@@ -21,6 +22,7 @@ def cli() -> None:
 
 
 cli.add_command(plan)
+cli.add_command(serve)
 
 
 @cli.command()
