@@ -113,7 +113,8 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**32))
         self._tracked[request_id] = _Tracked(
             request=req, prompt=prompt if isinstance(prompt, str) else None, seed=seed,
-            stops=StopChecker(params, self.tokenizer), logprobs=[] if params.logprobs is not None else None)
+            stops=StopChecker(params, self.tokenizer, self.max_model_len),
+            logprobs=[] if params.logprobs is not None else None)
         self.counters["prompt_tokens"] += len(ids)
         return req
 
@@ -184,17 +185,18 @@ class LLMEngine:
         return entry
 
     def _record_step(self, batch, start: float) -> None:
-        stats = self.scheduler.step_stats()
+        stats = self.scheduler.stats()
         self.counters["steps"] += 1
-        self.counters["num_preemptions"] += stats["num_preemptions"]
-        self.counters["prefix_cache_queries"] += stats["prefix_queries"]
-        self.counters["prefix_cache_hits"] += stats["prefix_hits"]
+        self.counters["num_preemptions"] += stats.num_preemptions
+        self.counters["prefix_cache_queries"] += stats.prefix_queries
+        self.counters["prefix_cache_hits"] += stats.prefix_hits
+        now = self.clock()
         self.last_step = StepStats(
-            time=self.clock(), duration=self.clock() - start, num_tokens=batch.num_tokens,
+            time=now, duration=now - start, num_tokens=batch.num_tokens,
             num_prefill_tokens=batch.num_prefill_tokens, num_decode_tokens=batch.num_decodes,
-            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            kv_usage=self.kv_manager.usage(), num_preemptions=stats["num_preemptions"],
-            prefix_queries=stats["prefix_queries"], prefix_hits=stats["prefix_hits"])
+            num_running=stats.num_running, num_waiting=stats.num_waiting, kv_usage=stats.kv_usage,
+            num_preemptions=stats.num_preemptions, prefix_queries=stats.prefix_queries,
+            prefix_hits=stats.prefix_hits)
 
     def _output(self, tracked: _Tracked) -> RequestOutput:
         req = tracked.request

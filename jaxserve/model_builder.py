@@ -60,8 +60,16 @@ def kv_budget_bytes(config: EngineConfig, spec: ModelSpec, dtype_name: str) -> f
     return min(CPU_DEFAULT_KV_BYTES, needed)
 
 
+def enable_compilation_cache(path: str | None) -> None:
+    """Persist XLA executables across processes, so a restart (or a second engine) skips compiles."""
+    if path:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
 def build_model_and_cache(config: EngineConfig, spec: ModelSpec) -> BuiltModel:
     """Model parameters on the device, an empty KV pool, and the resulting max_model_len."""
+    enable_compilation_cache(config.compilation_cache_dir)
     dtype = resolve_dtype(config.dtype)
     dtype_name = _DTYPE_NAMES[jnp.dtype(dtype)]
     if config.max_model_len is not None and config.max_model_len > spec.max_position_embeddings:

@@ -1,14 +1,16 @@
 """Per-request stop conditions and the visible output text.
 
-Token-level stops (EOS unless ignore_eos, stop_token_ids, max_tokens) and stop strings, checked after every
-drawn token. The text is re-decoded from the output ids and held back while it ends in an incomplete UTF-8
-character, so the text only ever grows and streamed deltas are always whole characters.
+Token-level stops come from the scheduler's `check_token_stop` (EOS unless ignore_eos, stop_token_ids,
+max_tokens, max_model_len); this adds stop strings, checked after every drawn token. The text is re-decoded
+from the output ids and held back while it ends in an incomplete UTF-8 character or in a tail that could
+still grow into a stop string, so the text only ever grows and streamed deltas are always whole characters.
 """
 
 from __future__ import annotations
 
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler import check_token_stop
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -16,9 +18,10 @@ REPLACEMENT_CHAR = "\ufffd"
 class StopChecker:
     """Decides whether a request is done and keeps its output text (stop strings cut off)."""
 
-    def __init__(self, params: SamplingParams, tokenizer) -> None:
+    def __init__(self, params: SamplingParams, tokenizer, max_model_len: int) -> None:
         self.params = params
         self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
         self.text = ""
         self._max_stop_len = max((len(s) for s in params.stop), default=0)
 
@@ -32,15 +35,12 @@ class StopChecker:
 
     def check(self, req: Request) -> tuple[RequestStatus, str | int | None] | None:
         """Update the text with the request's newest token; return (status, stop_reason) when it must stop."""
-        token = req.output_token_ids[-1]
+        status = check_token_stop(req, self.max_model_len)
+        if status == RequestStatus.FINISHED_STOPPED:  # EOS or a stop token: its text is not shown
+            self.text = self._decode(req.output_token_ids[:-1], final=True)
+            return status, req.stop_reason
+        at_length = status == RequestStatus.FINISHED_LENGTH
         p = self.params
-        if token == req.eos_token_id and not p.ignore_eos:
-            self.text = self._decode(req.output_token_ids[:-1], final=True)
-            return RequestStatus.FINISHED_STOPPED, None
-        if token in p.stop_token_ids:
-            self.text = self._decode(req.output_token_ids[:-1], final=True)
-            return RequestStatus.FINISHED_STOPPED, token
-        at_length = len(req.output_token_ids) >= req.max_tokens
         previous = len(self.text)
         text = self._decode(req.output_token_ids, final=at_length)
         if p.stop:
