@@ -72,7 +72,7 @@ def checkpoint(request, tmp_path_factory):
     hf.save_pretrained(folder, safe_serialization=True)
     spec = load_model_spec(str(folder))
     model = load_hf_checkpoint(folder, spec, jnp.float32)
-    return request.param, hf, model, spec
+    return request.param, hf, Compiled(model), spec
 
 
 def hf_logits(hf, ids: list[int]) -> np.ndarray:
@@ -80,20 +80,27 @@ def hf_logits(hf, ids: list[int]) -> np.ndarray:
         return hf(torch.tensor([ids])).logits[0].float().numpy()
 
 
-class PagedRunner:
-    """A minimal stand-in for the model runner: shuffled pages per sequence, one padded bucket, one compile."""
+class Compiled:
+    """The model split into graph and params with its one jitted step (shared by a checkpoint's tests)."""
 
-    def __init__(self, model, spec, seed: int = 0):
+    def __init__(self, model):
         self.graphdef, self.params = nnx.split(model)
-        self.caches = init_kv_cache(spec, NUM_PAGES, PAGE_SIZE, jnp.float32)
-        self.free = list(np.random.default_rng(seed).permutation(np.arange(1, NUM_PAGES)))
-        self.pages: dict[int, list[int]] = {}
         self.step_fn = jax.jit(self._step, donate_argnums=1)
 
     def _step(self, params, caches, ids, pos, meta):
         model = nnx.merge(self.graphdef, params)
         hidden, caches = model(ids, pos, caches, meta)
         return model.compute_logits(hidden), caches
+
+
+class PagedRunner:
+    """A minimal stand-in for the model runner: shuffled pages per sequence, one padded bucket."""
+
+    def __init__(self, compiled: Compiled, spec, seed: int = 0):
+        self.compiled = compiled
+        self.caches = init_kv_cache(spec, NUM_PAGES, PAGE_SIZE, jnp.float32)
+        self.free = list(np.random.default_rng(seed).permutation(np.arange(1, NUM_PAGES)))
+        self.pages: dict[int, list[int]] = {}
 
     def step(self, work: list[tuple[int, list[int], int]]) -> list[np.ndarray]:
         """work: (seq, new token ids, first position), decodes first. Returns logits [q_len, vocab] per item."""
@@ -118,7 +125,8 @@ class PagedRunner:
         meta = AttentionMetadata(slot_mapping=jnp.asarray(slots), cu_q_lens=jnp.asarray(cu), kv_lens=jnp.asarray(kv),
                                  page_table=jnp.asarray(table), num_seqs=jnp.int32(len(work)),
                                  num_decodes=jnp.int32(num_decodes))
-        logits, self.caches = self.step_fn(self.params, self.caches, jnp.asarray(ids), jnp.asarray(pos), meta)
+        logits, self.caches = self.compiled.step_fn(self.compiled.params, self.caches, jnp.asarray(ids),
+                                                    jnp.asarray(pos), meta)
         logits = np.asarray(logits)
         return [logits[cu[s] : cu[s + 1]] for s in range(len(work))]
 
