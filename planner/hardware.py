@@ -1,0 +1,287 @@
+"""Hardware catalog and hardware-profile JSON: peak FLOP/s, memory, links, and the step model's coefficients.
+
+Every catalog figure carries its source beside it (`sources`). A profile JSON (written by hand or by
+`jaxserve calibrate`) can describe a new device or override a catalog entry (`"base": "h100-sxm"`) and carry
+fitted `coefficients` for the step model. Units in JSON are human units (TFLOP/s, GB, GB/s, us, ms);
+the dataclasses hold SI units (FLOP/s, bytes, bytes/s, seconds). The schema is documented in docs/planner.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TERA = 1e12
+GIGA = 1e9
+
+
+class HardwareError(ValueError):
+    """An unknown hardware name or an invalid profile."""
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """Calibrated additive step model: time = sum of roofline terms / efficiency + fixed overheads.
+
+    Default priors are for a mature engine (CUDA graphs, fused kernels) on a datacenter GPU; they were set
+    once, globally, against published measurements (docs/planner.md), never per point.
+    """
+
+    compute_eff: float = 0.70  # fraction of dense peak reached by large GEMMs and attention
+    gemm_m_half: float = 16.0  # rows at which a GEMM reaches half of compute_eff (small-M GEMMs are slow)
+    weight_bw_eff: float = 0.80  # fraction of HBM bandwidth reached streaming weights (GEMV-like decode)
+    kv_bw_eff: float = 0.70  # fraction of HBM bandwidth reached reading paged KV in attention
+    comm_eff: float = 0.70  # fraction of link bandwidth reached by ring all-reduce
+    step_overhead_s: float = 300e-6  # per engine step: scheduling, launch, sampling setup
+    layer_overhead_s: float = 6e-6  # per layer per step: kernel launches, norms, small ops
+    seq_overhead_s: float = 4e-6  # per sequence in the step: metadata, sampling, detokenize
+    prefill_token_overhead_s: float = 0.0  # per prefill token (host-side work that scales with tokens)
+
+    def to_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+COEFFICIENT_DOCS: dict[str, str] = {
+    "compute_eff": "achieved / peak FLOP/s for large matmuls (typical 0.5-0.75 on GPUs)",
+    "gemm_m_half": "GEMM rows at which efficiency is half of compute_eff: eff(M) = compute_eff*M/(M+m_half)",
+    "weight_bw_eff": "achieved / peak memory bandwidth when streaming weights (0.75-0.84 on GPUs)",
+    "kv_bw_eff": "achieved / peak memory bandwidth reading the paged KV cache",
+    "comm_eff": "achieved / peak link bandwidth of the ring all-reduce",
+    "step_overhead_s": "fixed seconds per engine step",
+    "layer_overhead_s": "fixed seconds per layer per step",
+    "seq_overhead_s": "fixed seconds per sequence in a step",
+    "prefill_token_overhead_s": "seconds per prefill token not explained by FLOPs or bytes",
+}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator (or a CPU treated as one device) and the links between devices."""
+
+    name: str
+    peak_flops: dict[str, float]  # dense FLOP/s per compute dtype: bf16, fp16, fp8, int8, fp32
+    memory_bytes: float
+    memory_bw: float  # bytes/s
+    intra_node_bw: float  # bytes/s per direction per device (NVLink, ICI, PCIe)
+    allreduce_latency_s: float  # small-message all-reduce latency inside a node
+    inter_node_bw: float  # bytes/s per device across nodes
+    devices_per_node: int = 8
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+    coefficients: Coefficients = field(default_factory=Coefficients)
+
+    def peak(self, dtype: str) -> float:
+        """Dense peak FLOP/s for matmuls with weights in `dtype`.
+
+        int4 (weight-only) and fp8/int8 on devices without those units compute in bf16.
+        """
+        key = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "int4": "bf16"}.get(dtype, dtype)
+        if key in self.peak_flops:
+            return self.peak_flops[key]
+        return self.peak_flops.get("bf16") or max(self.peak_flops.values())
+
+    @property
+    def ridge_point(self) -> float:
+        """FLOP per byte where bf16 (or fp32 on CPUs) compute and memory time are equal."""
+        return self.peak("bf16") / self.memory_bw
+
+    def with_coefficients(self, **kw: float) -> Hardware:
+        return dataclasses.replace(self, coefficients=dataclasses.replace(self.coefficients, **kw))
+
+    def to_profile(self) -> dict[str, Any]:
+        """This hardware as a profile JSON object (human units), loadable by `load_hardware`."""
+        return {
+            "name": self.name,
+            "peak_tflops": {k: v / TERA for k, v in self.peak_flops.items()},
+            "memory_gb": self.memory_bytes / GIGA,
+            "memory_bandwidth_gbps": self.memory_bw / GIGA,
+            "intra_node_bandwidth_gbps": self.intra_node_bw / GIGA,
+            "allreduce_latency_us": self.allreduce_latency_s * 1e6,
+            "inter_node_bandwidth_gbps": self.inter_node_bw / GIGA,
+            "devices_per_node": self.devices_per_node,
+            "sources": dict(self.sources),
+            "coefficients": self.coefficients.to_dict(),
+        }
+
+
+def _hw(name: str, *, bf16: float, fp8: float | None, int8: float | None, fp32: float, mem_gb: float,
+        bw_tbs: float, link_gbs: float, ar_us: float, inter_gbs: float, sources: dict[str, str],
+        per_node: int = 8, coefficients: Coefficients | None = None) -> Hardware:
+    peaks = {"bf16": bf16 * TERA, "fp16": bf16 * TERA, "fp32": fp32 * TERA}
+    if fp8:
+        peaks["fp8"] = fp8 * TERA
+    if int8:
+        peaks["int8"] = int8 * TERA
+    return Hardware(name=name, peak_flops=peaks, memory_bytes=mem_gb * GIGA, memory_bw=bw_tbs * TERA,
+                    intra_node_bw=link_gbs * GIGA, allreduce_latency_s=ar_us * 1e-6, inter_node_bw=inter_gbs * GIGA,
+                    devices_per_node=per_node, sources=sources, coefficients=coefficients or Coefficients())
+
+
+_AR_NCCL = "all-reduce latency: NCCL small-message figures on 8xH100 NVLink (30-40 us; custom all-reduce ~10 us)"
+_IB_NDR = "inter-node: one 400 Gb/s InfiniBand NDR NIC per GPU (DGX/HGX reference design)"
+
+CATALOG: dict[str, Hardware] = {h.name: h for h in [
+    _hw("h100-sxm", bf16=989.4, fp8=1978.9, int8=1978.9, fp32=66.9, mem_gb=80, bw_tbs=3.35, link_gbs=450,
+        ar_us=25, inter_gbs=50, sources={
+            "compute": "NVIDIA H100 Tensor Core GPU datasheet (SXM): BF16 989 TFLOPS, FP8 1979, INT8 1979 TOPS dense "
+                       "(half the with-sparsity figures), FP32 67 TFLOPS",
+            "memory": "NVIDIA H100 datasheet (SXM): 80 GB HBM3, 3.35 TB/s",
+            "intra_node": "NVIDIA H100 datasheet: NVLink 900 GB/s bidirectional = 450 GB/s per direction",
+            "allreduce_latency": _AR_NCCL, "inter_node": _IB_NDR}),
+    _hw("h200", bf16=989.4, fp8=1978.9, int8=1978.9, fp32=66.9, mem_gb=141, bw_tbs=4.8, link_gbs=450,
+        ar_us=25, inter_gbs=50, sources={
+            "compute": "NVIDIA H200 Tensor Core GPU datasheet (SXM): same Hopper compute as H100 SXM, dense = half sparse",
+            "memory": "NVIDIA H200 datasheet: 141 GB HBM3e, 4.8 TB/s",
+            "intra_node": "NVIDIA H200 datasheet: NVLink 900 GB/s bidirectional",
+            "allreduce_latency": _AR_NCCL, "inter_node": _IB_NDR}),
+    _hw("a100-80g", bf16=312, fp8=None, int8=624, fp32=19.5, mem_gb=80, bw_tbs=2.039, link_gbs=300,
+        ar_us=30, inter_gbs=25, sources={
+            "compute": "NVIDIA A100 Tensor Core GPU datasheet: BF16 312 TFLOPS, INT8 624 TOPS dense, FP32 19.5; "
+                       "no FP8 units (fp8 weights compute in bf16)",
+            "memory": "NVIDIA A100 datasheet (80GB SXM): HBM2e 2,039 GB/s",
+            "intra_node": "NVIDIA A100 datasheet: NVLink 600 GB/s bidirectional = 300 GB/s per direction",
+            "allreduce_latency": "NCCL small-message latency on 8xA100 NVLink (~30 us, nccl-tests)",
+            "inter_node": "one 200 Gb/s InfiniBand HDR NIC per GPU (DGX A100)"}),
+    _hw("a100-40g", bf16=312, fp8=None, int8=624, fp32=19.5, mem_gb=40, bw_tbs=1.555, link_gbs=300,
+        ar_us=30, inter_gbs=25, sources={
+            "compute": "NVIDIA A100 datasheet: BF16 312 TFLOPS dense, INT8 624 TOPS, FP32 19.5",
+            "memory": "NVIDIA A100 datasheet (40GB SXM): HBM2 1,555 GB/s",
+            "intra_node": "NVIDIA A100 datasheet: NVLink 600 GB/s bidirectional",
+            "allreduce_latency": "NCCL small-message latency on 8xA100 NVLink (~30 us, nccl-tests)",
+            "inter_node": "one 200 Gb/s InfiniBand HDR NIC per GPU (DGX A100)"}),
+    _hw("l40s", bf16=362.05, fp8=733, int8=733, fp32=91.6, mem_gb=48, bw_tbs=0.864, link_gbs=32,
+        ar_us=50, inter_gbs=25, sources={
+            "compute": "NVIDIA L40S datasheet: BF16 362 TFLOPS dense (733 sparse), FP8 733 dense, INT8 733 TOPS, "
+                       "FP32 91.6 TFLOPS",
+            "memory": "NVIDIA L40S datasheet: 48 GB GDDR6, 864 GB/s",
+            "intra_node": "no NVLink: PCIe Gen4 x16, 64 GB/s bidirectional = 32 GB/s per direction",
+            "allreduce_latency": "PCIe all-reduce through host bridges (~50 us, nccl-tests order of magnitude)",
+            "inter_node": "200 Gb/s Ethernet/IB per GPU assumed"}),
+    _hw("b200", bf16=2250, fp8=4500, int8=4500, fp32=80, mem_gb=180, bw_tbs=8.0, link_gbs=900,
+        ar_us=20, inter_gbs=50, sources={
+            "compute": "NVIDIA HGX B200 datasheet: FP8 9 PFLOPS sparse = 4.5 dense, BF16 4.5 sparse = 2.25 dense, "
+                       "INT8 4.5 POPS dense, FP32 80 TFLOPS (per GPU)",
+            "memory": "NVIDIA HGX B200 datasheet: 180 GB HBM3e per GPU, 8 TB/s",
+            "intra_node": "NVIDIA Blackwell datasheet: NVLink 5 1.8 TB/s bidirectional = 900 GB/s per direction",
+            "allreduce_latency": "assumed like Hopper NVLink NCCL latency, slightly lower",
+            "inter_node": "ConnectX-7 400 Gb/s per GPU (HGX B200 reference)"}),
+    _hw("mi300x", bf16=1307.4, fp8=2614.9, int8=2614.9, fp32=163.4, mem_gb=192, bw_tbs=5.3, link_gbs=448,
+        ar_us=35, inter_gbs=50, sources={
+            "compute": "AMD Instinct MI300X datasheet: BF16 1307.4 TFLOPS dense, FP8 2614.9, INT8 2614.9 TOPS, "
+                       "FP32 163.4 TFLOPS (matrix)",
+            "memory": "AMD MI300X datasheet: 192 GB HBM3, 5.3 TB/s",
+            "intra_node": "AMD MI300X datasheet: 7 Infinity Fabric links x 64 GB/s = 448 GB/s per direction",
+            "allreduce_latency": "RCCL small-message latency on 8xMI300X (~35 us, order of magnitude)",
+            "inter_node": "400 Gb/s NIC per GPU assumed"}),
+    _hw("tpu-v5e", bf16=197, fp8=None, int8=394, fp32=49, mem_gb=16, bw_tbs=0.819, link_gbs=50,
+        ar_us=20, inter_gbs=25, per_node=8, sources={
+            "compute": "Google Cloud TPU v5e docs: 197 TFLOPS bf16, 394 TOPS int8 per chip; fp32 estimated as "
+                       "bf16/4 (multi-pass on the MXU)",
+            "memory": "Google Cloud TPU v5e docs: 16 GB HBM2, 819 GB/s",
+            "intra_node": "Google Cloud TPU v5e docs: ICI 1,600 Gbps per chip over 4 links, ~50 GB/s per link "
+                          "per direction used by a ring",
+            "allreduce_latency": "ICI all-reduce small-message latency (~20 us, assumed)",
+            "inter_node": "data-center network between slices (~25 GB/s per chip, assumed)"}),
+    _hw("tpu-v5p", bf16=459, fp8=None, int8=918, fp32=115, mem_gb=95, bw_tbs=2.765, link_gbs=100,
+        ar_us=20, inter_gbs=25, per_node=8, sources={
+            "compute": "Google Cloud TPU v5p docs: 459 TFLOPS bf16, 918 TOPS int8 per chip; fp32 estimated bf16/4",
+            "memory": "Google Cloud TPU v5p docs: 95 GB HBM2e, 2,765 GB/s",
+            "intra_node": "Google Cloud TPU v5p docs: ICI 4,800 Gbps per chip over 6 links, ~100 GB/s per link",
+            "allreduce_latency": "ICI all-reduce small-message latency (~20 us, assumed)",
+            "inter_node": "data-center network between slices (~25 GB/s per chip, assumed)"}),
+    # A small CPU treated as one device, as measured on the project's 2-core machines with XLA:CPU.
+    Hardware(name="cpu", peak_flops={"fp32": 120 * GIGA, "bf16": 7 * GIGA, "fp16": 7 * GIGA},
+             memory_bytes=8 * GIGA, memory_bw=27 * GIGA, intra_node_bw=10 * GIGA, allreduce_latency_s=50e-6,
+             inter_node_bw=1 * GIGA, devices_per_node=1, sources={
+                 "compute": "measured (shared/GUIDE.md): XLA:CPU fp32 matmul ~120 GFLOP/s on 2 cores; bf16 15-20x "
+                            "slower (~7 GFLOP/s)",
+                 "memory": "measured (shared/GUIDE.md): streaming read ~27 GB/s; capacity: 8 GB assumed for the pool",
+                 "intra_node": "host devices share memory (XLA forced host devices), assumed 10 GB/s",
+                 "allreduce_latency": "assumed 50 us", "inter_node": "not applicable (1 GB/s placeholder)"},
+             coefficients=Coefficients(compute_eff=0.8, gemm_m_half=4.0, weight_bw_eff=0.6, kv_bw_eff=0.3,
+                                       comm_eff=0.5, step_overhead_s=2e-3, layer_overhead_s=100e-6,
+                                       seq_overhead_s=50e-6, prefill_token_overhead_s=0.0)),
+]}
+
+_PROFILE_KEYS = {"name", "base", "peak_tflops", "memory_gb", "memory_bandwidth_gbps", "intra_node_bandwidth_gbps",
+                 "allreduce_latency_us", "inter_node_bandwidth_gbps", "devices_per_node", "sources", "coefficients",
+                 "notes", "measurements", "device"}
+
+
+def _positive(d: dict[str, Any], key: str, where: str) -> float:
+    try:
+        v = float(d[key])
+    except (TypeError, ValueError):
+        raise HardwareError(f"{where}: {key!r} must be a number, got {d[key]!r}") from None
+    if not v > 0:
+        raise HardwareError(f"{where}: {key!r} must be positive, got {v}")
+    return v
+
+
+def hardware_from_profile(profile: dict[str, Any], where: str = "profile") -> Hardware:
+    """Build `Hardware` from a profile dict (human units); `base` names a catalog entry to start from."""
+    if not isinstance(profile, dict):
+        raise HardwareError(f"{where}: a hardware profile must be a JSON object")
+    unknown = set(profile) - _PROFILE_KEYS
+    if unknown:
+        raise HardwareError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(_PROFILE_KEYS)}")
+    base_name = profile.get("base")
+    if base_name is not None and base_name not in CATALOG:
+        raise HardwareError(f"{where}: unknown base {base_name!r}; choose from {', '.join(CATALOG)}")
+    d = CATALOG[base_name].to_profile() if base_name else {}
+    coeffs = dict(d.get("coefficients") or Coefficients().to_dict())
+    d.update({k: v for k, v in profile.items() if k != "coefficients"})
+    if "peak_tflops" in profile and base_name:
+        d["peak_tflops"] = {**CATALOG[base_name].to_profile()["peak_tflops"], **profile["peak_tflops"]}
+    missing = [k for k in ("peak_tflops", "memory_gb", "memory_bandwidth_gbps") if k not in d]
+    if missing:
+        raise HardwareError(f"{where}: missing required keys {missing} (or give \"base\": a catalog name)")
+    peaks = d["peak_tflops"]
+    if not isinstance(peaks, dict) or not peaks:
+        raise HardwareError(f"{where}: 'peak_tflops' must be an object like {{\"bf16\": 989, \"fp32\": 67}}")
+    peak_flops = {k: _positive(peaks, k, where + ".peak_tflops") * TERA for k in peaks}
+    for k, v in (profile.get("coefficients") or {}).items():
+        if k not in COEFFICIENT_DOCS:
+            raise HardwareError(f"{where}: unknown coefficient {k!r}; known: {', '.join(COEFFICIENT_DOCS)}")
+        try:
+            coeffs[k] = float(v)
+        except (TypeError, ValueError):
+            raise HardwareError(f"{where}: coefficient {k!r} must be a number") from None
+        if coeffs[k] < 0 or (k.endswith("_eff") and not 0 < coeffs[k] <= 1.5):
+            raise HardwareError(f"{where}: coefficient {k!r}={coeffs[k]} out of range")
+    d.setdefault("intra_node_bandwidth_gbps", 10.0)
+    d.setdefault("allreduce_latency_us", 50.0)
+    d.setdefault("inter_node_bandwidth_gbps", 1.0)
+    return Hardware(
+        name=str(d.get("name") or base_name or "custom"), peak_flops=peak_flops,
+        memory_bytes=_positive(d, "memory_gb", where) * GIGA,
+        memory_bw=_positive(d, "memory_bandwidth_gbps", where) * GIGA,
+        intra_node_bw=_positive(d, "intra_node_bandwidth_gbps", where) * GIGA,
+        allreduce_latency_s=float(d["allreduce_latency_us"]) * 1e-6,
+        inter_node_bw=_positive(d, "inter_node_bandwidth_gbps", where) * GIGA,
+        devices_per_node=int(d.get("devices_per_node", 1 if base_name is None else 8)),
+        sources=dict(d.get("sources") or {}), coefficients=Coefficients(**coeffs))
+
+
+def load_hardware(hardware: str | Path | Hardware) -> Hardware:
+    """Resolve a catalog name, a profile JSON path, or pass a `Hardware` through."""
+    if isinstance(hardware, Hardware):
+        return hardware
+    if str(hardware) in CATALOG:
+        return CATALOG[str(hardware)]
+    path = Path(hardware)
+    if not path.is_file():
+        raise HardwareError(f"unknown hardware {str(hardware)!r}: not one of {', '.join(CATALOG)} "
+                            "nor a profile JSON file")
+    try:
+        profile = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise HardwareError(f"{path}: not valid JSON ({e})") from None
+    return hardware_from_profile(profile, where=str(path))
+
+
+def save_profile(hw: Hardware, path: str | Path) -> None:
+    """Write `hw` as a profile JSON (what `jaxserve calibrate` does after fitting coefficients)."""
+    Path(path).write_text(json.dumps(hw.to_profile(), indent=2) + "\n")

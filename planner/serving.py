@@ -1,0 +1,413 @@
+"""Closed-form serving model: TTFT, TPOT and ITL under load for continuous batching with chunked prefill.
+
+The scheduler being modelled (the runtime's, vLLM V1 style): every step carries all running decodes first
+(one token each), then prefill chunks within a token budget `chunk_size` (max_num_batched_tokens), at most
+`max_num_seqs` sequences in flight (and no more than the KV cache holds).
+
+Per replica, at a Poisson request rate lambda:
+- Decode batch from Little's law as a fixed point: B = lambda * (O - 1) * tau, where the mean step time is
+  tau = t_dec(B) / (1 - lambda * E[Delta]), t_dec(B) the decode-only step and Delta a prompt's marginal
+  prefill time (the extra time its chunks add to the steps that carry them).
+- Prefill as an M/G/1 queue of token work with vacations (the server looks at the queue only at step
+  boundaries): service S = Delta + (I/c') t_dec with c' = chunk_size - B the prefill budget per step;
+  Pollaczek-Khinchine wait lambda E[S^2] / (2 (1 - rho)) plus the residual of a decode step t_dec / 2.
+- Slots: if max_num_seqs (or KV) binds, an Erlang-C wait for a slot (M/M/c approximation).
+- Closed loop (`concurrency` clients, no think time): throughput X solves X * E2E(X) = min(C, slots), with
+  queueing seen by an arrival scaled by (C - 1) / C (arrival theorem); extra clients wait for a slot.
+Percentiles come from sampling the same distributions (exponential queue tail, binomial count of
+prefill-carrying steps per request); `planner.simulate` checks the means against a discrete-event run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from planner.hardware import Hardware
+from planner.memory import MemoryPlan, plan_memory
+from planner.model_spec import ModelSpec
+from planner.step_model import StepShape, StepTime, decode_shape, prefill_shape, step_time_shape
+
+SAMPLES = 4000
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Requests: lengths, prefix-cache hit ratio, and either a Poisson rate or closed-loop clients (totals)."""
+
+    input_len: int = 1024
+    output_len: int = 256
+    spread: float = 0.0  # lengths uniform in [L(1-spread), L(1+spread)]
+    prefix_hit: float = 0.0  # fraction of prompt tokens served from the prefix cache
+    request_rate: float | None = None  # req/s over all replicas
+    concurrency: float | None = None  # clients over all replicas
+
+    def __post_init__(self) -> None:
+        if self.input_len <= 0 or self.output_len <= 0:
+            raise ValueError("input and output lengths must be positive")
+        if not 0 <= self.spread < 1 or not 0 <= self.prefix_hit < 1:
+            raise ValueError("spread and prefix_hit must be in [0, 1)")
+        if self.request_rate is not None and self.concurrency is not None:
+            raise ValueError("give a request rate or a concurrency, not both")
+        if (self.request_rate is not None and self.request_rate <= 0) or (
+                self.concurrency is not None and self.concurrency <= 0):
+            raise ValueError("request rate and concurrency must be positive")
+
+    @property
+    def computed_input(self) -> float:
+        """Prompt tokens that must be computed (the last prompt token always is)."""
+        return max(1.0, self.input_len * (1 - self.prefix_hit))
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """One deployment: TP degree, replicas and scheduler knobs."""
+
+    tp: int = 1
+    replicas: int = 1
+    max_num_seqs: int = 256
+    chunk_size: int = 2048  # max_num_batched_tokens per step
+    page_size: int = 16
+    dtype: str = "bf16"
+    kv_dtype: str | None = None
+    gpu_memory_utilization: float = 0.9
+
+    @property
+    def num_devices(self) -> int:
+        return self.tp * self.replicas
+
+
+@dataclass(frozen=True)
+class Dist:
+    """Mean and percentiles of a latency, in milliseconds."""
+
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+
+    @classmethod
+    def of(cls, samples_s: np.ndarray) -> Dist:
+        ms = np.asarray(samples_s) * 1e3
+        if ms.size == 0 or not np.all(np.isfinite(ms)):
+            return cls(math.inf, math.inf, math.inf, math.inf)
+        p50, p90, p99 = np.percentile(ms, [50, 90, 99])
+        return cls(float(ms.mean()), float(p50), float(p90), float(p99))
+
+    def to_dict(self) -> dict[str, float]:
+        return {"mean": self.mean, "p50": self.p50, "p90": self.p90, "p99": self.p99}
+
+
+@dataclass
+class ServingPrediction:
+    """Predicted serving metrics for a whole deployment (all replicas)."""
+
+    ttft: Dist
+    tpot: Dist
+    itl: Dist
+    e2e_ms: float
+    output_tokens_per_s: float
+    requests_per_s: float
+    goodput_requests_per_s: float
+    stable: bool
+    load: float  # offered rate / max sustainable rate (per replica)
+    decode_batch: float  # mean running decodes per replica
+    decode_step: StepTime
+    prefill_chunk_step: StepTime
+    memory: MemoryPlan
+    max_concurrency: int  # sequences per replica the KV cache and max_num_seqs allow
+    capacity_requests_per_s: float  # max sustainable rate, all replicas
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def bottleneck(self) -> str:
+        """One sentence: what limits this deployment."""
+        d = self.decode_step
+        if not self.stable:
+            return "overloaded: the offered load exceeds what this configuration can sustain"
+        kind = d.bottleneck.replace("_", " ")
+        s = f"decode steps are {kind}-bound ({d.terms[d.bottleneck] / d.total_s:.0%} of {d.total_ms:.1f} ms)"
+        if self.load > 0.8:
+            s += f"; at {self.load:.0%} of capacity, queueing dominates TTFT"
+        return s
+
+
+class _Model:
+    """Cached step times for one (spec, hardware, config, workload); the closed form's building blocks."""
+
+    def __init__(self, spec: ModelSpec, hw: Hardware, cfg: ServingConfig, wl: Workload, mem: MemoryPlan):
+        self.spec, self.hw, self.cfg, self.wl, self.mem = spec, hw, cfg, wl, mem
+        self.slots = max(1, min(cfg.max_num_seqs, mem.max_concurrency(wl.input_len + wl.output_len)))
+        self.ctx = wl.input_len + wl.output_len / 2  # mean context of a decoding sequence
+        self.prefix = wl.input_len - wl.computed_input
+        self._t = lru_cache(maxsize=4096)(self._step)
+
+    def _step(self, batch: int, q: int, computed: int) -> float:
+        shape = decode_shape(batch, self.ctx) if batch else StepShape()
+        if q:
+            shape = shape + prefill_shape(q, computed)
+        return step_time_shape(self.spec, self.hw, shape, tp=self.cfg.tp, dtype=self.cfg.dtype,
+                               kv_dtype=self.cfg.kv_dtype).total_s
+
+    def t_dec(self, b: float) -> float:
+        """Decode-only step with b sequences (linear interpolation between integers)."""
+        lo = int(b)
+        t0 = self._t(max(lo, 1), 0, 0)
+        return t0 + (b - lo) * (self._t(lo + 1, 0, 0) - t0) if lo >= 1 else self._t(1, 0, 0)
+
+    def budget(self, b: float) -> int:
+        return max(self.cfg.page_size, int(self.cfg.chunk_size - b))
+
+    def prefill(self, b: float, n_tokens: float) -> tuple[float, int, list[float]]:
+        """Marginal time Delta of prefilling n_tokens beside b decodes, the steps it takes, per-chunk Deltas."""
+        bi, c = int(round(b)), self.budget(b)
+        n_tokens = int(round(n_tokens))
+        deltas, done = [], 0
+        base = self._t(bi, 0, 0) if bi else 0.0
+        while done < n_tokens:
+            q = min(c, n_tokens - done)
+            deltas.append(self._t(bi, q, int(self.prefix) + done) - base)
+            done += q
+        return sum(deltas), len(deltas), deltas
+
+    def input_points(self) -> np.ndarray:
+        i = self.wl.computed_input
+        s = self.wl.spread
+        return np.array([i]) if s == 0 else np.linspace(i * (1 - s), i * (1 + s), 5)
+
+
+def erlang_c(servers: int, offered: float) -> float:
+    """Probability that an arrival waits in an M/M/c queue with `offered` = lambda * service (Erlang C)."""
+    if offered <= 0:
+        return 0.0
+    if offered >= servers:
+        return 1.0
+    inv_b = 1.0  # Erlang B by recursion, then C
+    for k in range(1, servers + 1):
+        inv_b = 1.0 + inv_b * k / offered
+    b = 1.0 / inv_b
+    rho = offered / servers
+    return b / (1 - rho + rho * b)
+
+
+@dataclass
+class _State:
+    stable: bool
+    tau: float = math.inf  # mean step time seen by a decode (mean TPOT)
+    t_d: float = math.inf
+    batch: float = 0.0
+    rho: float = 1.0
+    wait_prefill: float = math.inf
+    wait_slot: float = 0.0
+    own_prefill: float = math.inf
+    f_mixed: float = 0.0
+    chunk_deltas: list[float] = field(default_factory=list)
+    ttft_mean: float = math.inf
+    service: float = math.inf  # slot holding time: prefill + decode
+    queue: float = 0.0  # mean Pollaczek-Khinchine wait for prefill work ahead
+    resid: float = 0.0  # mean residual of the step in progress at arrival
+    tpot_extra: float = 0.0  # decode stall from prompts queued behind this request
+
+
+def _solve(m: _Model, lam: float, seen: float = 1.0, slot_wait: bool = True) -> _State:
+    """Fixed point at rate `lam` per replica; `seen` scales the queueing an arrival sees (closed loop)."""
+    out = m.wl.output_len
+    pts = m.input_points()
+
+    def step(tau: float) -> tuple[float, float]:
+        b = min(lam * max(out - 1, 0) * tau, m.slots)
+        mean_delta = float(np.mean([m.prefill(b, i)[0] for i in pts]))
+        denom = 1 - lam * seen * mean_delta
+        return (m.t_dec(b) / denom if denom > 0 else math.inf), b
+
+    lo, hi = m.t_dec(1) * 0.5, m.t_dec(m.slots) / max(1e-9, 1 - lam * m.prefill(m.slots, pts.max())[0]) * 4 + 1
+    if not math.isfinite(hi) or step(hi)[0] > hi:
+        return _State(stable=False)
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if step(mid)[0] > mid:
+            lo = mid
+        else:
+            hi = mid
+    tau = hi
+    _, b = step(tau)
+    t_d = m.t_dec(b)
+    c = m.budget(b)
+    s_samples, own_samples, n_lone = [], [], []
+    b_seen = b * seen  # decodes running when a request arrives (closed loop: the others' only)
+    t_seen = m.t_dec(b_seen) if b_seen >= 1 else b_seen * m.t_dec(1)
+    for i in pts:
+        delta, n, _ = m.prefill(b, i)
+        s_samples.append(delta + i / c * t_d)
+        delta_seen, n_seen, _ = m.prefill(b_seen, i)
+        own_samples.append(delta_seen + n_seen * t_seen)
+        n_lone.append(n)
+    es = float(np.mean(s_samples))
+    rho = lam * es
+    if rho >= 1:
+        return _State(stable=False)
+    packed = float(np.mean(pts)) / c
+    mixed_per_s = lam * ((1 - rho) * float(np.mean(n_lone)) + rho * packed)
+    f = min(1.0, mixed_per_s * tau)
+    _, _, deltas = m.prefill(b, float(np.mean(pts)))
+    # Residual at arrival: of a lone prefill in service (it keeps the server until done, FCFS) or of a
+    # decode-only step; then the queued prefill work ahead, packed into full chunks: W = R / (1 - rho).
+    lone = np.array(own_samples)
+    u = min(1.0, lam * float(lone.mean()))
+    resid = seen * (u * float(np.mean(lone**2)) / (2 * float(lone.mean())) + (1 - u) * t_d / 2)
+    wait = resid / (1 - rho * seen)
+    queue = wait - resid
+    own = float(lone.mean())
+    # Its last step also carries the prompts that arrived behind it, up to the token budget.
+    # (arrivals during that step itself come too late for it).
+    last = t_seen + m.prefill(b_seen, float(np.mean(pts)))[2][-1]
+    own += _packed_extra(m, b, lam * seen * (wait + own - last), float(np.mean(pts)), c)
+    # Prompts that arrived during this request's wait and prefill and were not packed into its own last step
+    # stall its decode: extra TPOT = lam * TTFT * E[Delta] * (1 - packable) / ((O - 1) (1 - lam E[Delta])).
+    mean_delta = float(np.mean([m.prefill(b, i)[0] for i in pts]))
+    packable = max(0.0, 1 - float(np.mean(pts)) / c)
+    tpot_extra = (lam * seen * (wait + own) * mean_delta * (1 - packable)
+                  / (max(out - 1, 1) * max(1e-9, 1 - lam * mean_delta)))
+    service = own + wait + max(out - 1, 0) * (tau + tpot_extra)
+    ws = 0.0
+    if lam * service >= m.slots:
+        return _State(stable=False)
+    if slot_wait:
+        a = lam * seen * service
+        pw = erlang_c(m.slots, a)
+        ws = pw * service / max(m.slots - a, 1e-9)
+    return _State(stable=True, tau=tau, t_d=t_d, batch=b, rho=rho, wait_prefill=wait, wait_slot=ws, own_prefill=own,
+                  f_mixed=f, chunk_deltas=deltas, ttft_mean=own + wait + ws, service=service, queue=queue,
+                  resid=resid, tpot_extra=tpot_extra)
+
+
+def _packed_extra(m: _Model, b: float, mu: float, prompt: float, budget: int) -> float:
+    """Expected extra time of a request's last prefill step from N ~ Poisson(mu) later prompts packed into it."""
+    rem = prompt - (math.ceil(prompt / budget) - 1) * budget
+    room = budget - rem
+    if room <= 0 or mu <= 0:
+        return 0.0
+    per_token = m.prefill(b, budget)[0] / budget if budget <= prompt else m.prefill(b, prompt)[0] / prompt
+    tokens, pmf, n = 0.0, math.exp(-mu), 0
+    while n * prompt < room and n < 1000:
+        tokens += pmf * n * prompt
+        n += 1
+        pmf *= mu / n
+    tokens += (1 - sum(math.exp(-mu) * mu**k / math.factorial(k) for k in range(n))) * room
+    return tokens * per_token
+
+
+def max_rate(m: _Model) -> float:
+    """Largest Poisson rate per replica with a stable fixed point (bisection)."""
+    lo, hi = 0.0, 1.0
+    while _solve(m, hi).stable and hi < 1e7:
+        lo, hi = hi, hi * 2
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        if _solve(m, mid).stable:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _closed_loop(m: _Model, clients: float) -> tuple[float, _State]:
+    """Throughput per replica and state for `clients` closed-loop clients (no think time)."""
+    in_service = min(clients, m.slots)
+    seen = max(0.0, (clients - 1) / clients)
+    cap = max_rate(m)
+    lo, hi = 0.0, cap
+    st = _State(stable=False)
+    for _ in range(50):
+        mid = 0.5 * (lo + hi)
+        s = _solve(m, mid, seen=seen, slot_wait=False)
+        if s.stable and mid * s.service < in_service:
+            lo, st = mid, s
+        else:
+            hi = mid
+    if not st.stable:
+        st = _solve(m, lo, seen=seen, slot_wait=False) if lo > 0 else st
+    if st.stable and clients > m.slots and lo > 0:
+        st.wait_slot = (clients - m.slots) / lo
+        st.ttft_mean += st.wait_slot
+    return lo, st
+
+
+def _samples(m: _Model, st: _State, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """TTFT, TPOT (per request) and ITL (per gap) samples, seconds."""
+    n = SAMPLES
+    wl = m.wl
+    out = wl.output_len
+    s = wl.spread
+    outs = np.maximum(1, np.round(out * rng.uniform(1 - s, 1 + s, n))) if s else np.full(n, float(out))
+    scale = rng.uniform(1 - s, 1 + s, n) if s else np.ones(n)
+    own = st.own_prefill * scale
+    p_wait = min(max(st.rho, 1e-6), 1.0)
+    waits = np.where(rng.random(n) < p_wait, rng.exponential(st.queue / p_wait, n), 0.0)
+    resid = rng.exponential(st.resid, n)
+    slot = rng.exponential(st.wait_slot, n) if st.wait_slot > 0 else 0.0
+    ttft = own + waits + resid + slot
+    extra = max(st.tau - st.t_d, 0.0)
+    deltas = np.array(st.chunk_deltas or [0.0])
+    per_mixed = extra / st.f_mixed if st.f_mixed > 0 else 0.0
+    deltas = deltas * (per_mixed / deltas.mean()) if deltas.mean() > 0 else deltas
+    gaps = np.maximum(outs - 1, 1)
+    k = rng.binomial(gaps.astype(int), st.f_mixed)
+    tpot = st.t_d + k * per_mixed / gaps
+    if st.tpot_extra > 0:  # the stall from prompts queued behind a request is spread over its own gaps
+        tpot = tpot + rng.exponential(st.tpot_extra, n) * max(out - 1, 1) / gaps
+    mixed = rng.random(n) < st.f_mixed
+    itl = st.t_d + np.where(mixed, deltas[rng.integers(0, len(deltas), n)], 0.0)
+    return ttft, tpot, itl
+
+
+def predict_serving(spec: ModelSpec, hw: Hardware, workload: Workload, config: ServingConfig, *,
+                    ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None,
+                    memory: MemoryPlan | None = None, seed: int = 0) -> ServingPrediction:
+    """Predict TTFT/TPOT/ITL, throughput and goodput for `workload` on `config` (closed form, all replicas).
+
+    Raises `planner.memory.DoesNotFitError` if the model does not fit at this TP degree.
+    """
+    mem = memory or plan_memory(spec, hw.memory_bytes, tp=config.tp, dtype=config.dtype, kv_dtype=config.kv_dtype,
+                                page_size=config.page_size, chunk_size=config.chunk_size,
+                                max_num_seqs=config.max_num_seqs,
+                                gpu_memory_utilization=config.gpu_memory_utilization)
+    m = _Model(spec, hw, config, workload, mem)
+    cap = max_rate(m)
+    r = config.replicas
+    if workload.concurrency is not None:
+        lam, st = _closed_loop(m, workload.concurrency / r)
+    else:
+        lam = (workload.request_rate if workload.request_rate is not None else cap * 0.5 * r) / r
+        st = _solve(m, lam)
+    b = st.batch if st.stable else m.slots
+    dec = step_time_shape(spec, hw, decode_shape(max(1, round(b)), m.ctx), tp=config.tp, dtype=config.dtype,
+                          kv_dtype=config.kv_dtype)
+    chunk = step_time_shape(spec, hw, decode_shape(round(b), m.ctx) + prefill_shape(m.budget(b), m.prefix)
+                            if round(b) else prefill_shape(m.budget(b), m.prefix),
+                            tp=config.tp, dtype=config.dtype, kv_dtype=config.kv_dtype)
+    common = dict(decode_step=dec, prefill_chunk_step=chunk, memory=mem, max_concurrency=m.slots,
+                  capacity_requests_per_s=cap * r)
+    if not st.stable:
+        inf = Dist(math.inf, math.inf, math.inf, math.inf)
+        return ServingPrediction(ttft=inf, tpot=inf, itl=inf, e2e_ms=math.inf, output_tokens_per_s=cap * r *
+                                 workload.output_len, requests_per_s=cap * r, goodput_requests_per_s=0.0,
+                                 stable=False, load=lam / cap if cap else math.inf, decode_batch=b, **common)
+    ttft, tpot, itl = _samples(m, st, np.random.default_rng(seed))
+    ok = np.ones(SAMPLES, dtype=bool)
+    if ttft_slo_ms is not None:
+        ok &= ttft * 1e3 <= ttft_slo_ms
+    if tpot_slo_ms is not None:
+        ok &= tpot * 1e3 <= tpot_slo_ms
+    e2e = float(np.mean(ttft + tpot * max(workload.output_len - 1, 0)))
+    return ServingPrediction(
+        ttft=Dist.of(ttft), tpot=Dist.of(tpot), itl=Dist.of(itl), e2e_ms=e2e * 1e3,
+        output_tokens_per_s=lam * r * workload.output_len, requests_per_s=lam * r,
+        goodput_requests_per_s=lam * r * float(ok.mean()), stable=True, load=lam / cap if cap else math.inf,
+        decode_batch=st.batch, extra={"prefill_utilization": st.rho, "mixed_step_fraction": st.f_mixed,
+                                      "prefill_wait_ms": st.wait_prefill * 1e3, "slot_wait_ms": st.wait_slot * 1e3},
+        **common)

@@ -1,0 +1,151 @@
+"""Discrete-event simulation of the runtime's scheduler, timed by the step model.
+
+Same scheduler as `planner.serving` models in closed form: each step carries every running decode first
+(one token each), then prefill chunks, oldest request first, within `chunk_size` tokens; a waiting request is
+admitted while fewer than `max_num_seqs` sequences (and the KV cache's share) are running. The first token
+comes at the end of the step that computes the last prompt token. Preemption is not modelled (admission
+keeps to the KV capacity for the full output). Used by the tests to check the closed form, and by
+`jaxserve plan --simulate`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.hardware import Hardware
+from planner.memory import plan_memory
+from planner.model_spec import ModelSpec
+from planner.serving import Dist, ServingConfig, Workload
+from planner.step_model import StepShape, decode_shape, prefill_shape, step_time_shape
+
+
+@dataclass
+class _Req:
+    arrival: float
+    input_len: int
+    to_compute: int
+    output_len: int
+    computed: int = 0
+    generated: int = 0
+    first_token: float = -1.0
+    last_token: float = -1.0
+    finish: float = -1.0
+    client: int = -1
+
+
+@dataclass
+class SimResult:
+    """Measured (simulated) metrics over the requests kept after warm-up, all replicas together."""
+
+    ttft: Dist
+    tpot: Dist
+    itl: Dist
+    requests_per_s: float
+    output_tokens_per_s: float
+    mean_decode_batch: float
+    num_requests: int
+    num_steps: int
+
+
+def simulate(spec: ModelSpec, hw: Hardware, workload: Workload, config: ServingConfig, *,
+             num_requests: int = 1000, seed: int = 0, warmup_fraction: float = 0.1) -> SimResult:
+    """Simulate one replica at rate/replicas (or concurrency/replicas clients) and report its metrics."""
+    rng = np.random.default_rng(seed)
+    mem = plan_memory(spec, hw.memory_bytes, tp=config.tp, dtype=config.dtype, kv_dtype=config.kv_dtype,
+                      page_size=config.page_size, chunk_size=config.chunk_size, max_num_seqs=config.max_num_seqs,
+                      gpu_memory_utilization=config.gpu_memory_utilization)
+    slots = max(1, min(config.max_num_seqs, mem.max_concurrency(workload.input_len + workload.output_len)))
+    r = config.replicas
+    s = workload.spread
+
+    def new_request(t: float, client: int = -1) -> _Req:
+        i = max(1, round(workload.input_len * rng.uniform(1 - s, 1 + s))) if s else workload.input_len
+        o = max(1, round(workload.output_len * rng.uniform(1 - s, 1 + s))) if s else workload.output_len
+        comp = max(1, round(i * (1 - workload.prefix_hit)))
+        return _Req(arrival=t, input_len=i, to_compute=comp, output_len=o, client=client)
+
+    closed = workload.concurrency is not None
+    arrivals: deque[_Req] = deque()
+    if closed:
+        clients = max(1, round(workload.concurrency / r))
+        for c in range(clients):
+            arrivals.append(new_request(0.0, c))
+    else:
+        rate = (workload.request_rate or 1.0) / r
+        t = 0.0
+        for _ in range(num_requests):
+            t += rng.exponential(1 / rate)
+            arrivals.append(new_request(t))
+    issued = len(arrivals)
+    waiting: deque[_Req] = deque()
+    running: list[_Req] = []
+    done: list[_Req] = []
+    itls: list[float] = []
+    now, steps, batch_sum = 0.0, 0, 0
+    while arrivals or waiting or running:
+        while arrivals and arrivals[0].arrival <= now:
+            waiting.append(arrivals.popleft())
+        if not waiting and not running:
+            now = arrivals[0].arrival
+            continue
+        decodes = [q for q in running if q.computed >= q.to_compute]
+        budget = config.chunk_size - len(decodes)
+        shape = StepShape()
+        if decodes:
+            ctx = sum(q.input_len + q.generated for q in decodes) / len(decodes)
+            shape = decode_shape(len(decodes), ctx)
+        chunks: list[tuple[_Req, int]] = []
+        for q in running:
+            if q.computed < q.to_compute and budget > 0:
+                n = min(budget, q.to_compute - q.computed)
+                chunks.append((q, n))
+                budget -= n
+        while waiting and budget > 0 and len(running) < slots:
+            q = waiting.popleft()
+            running.append(q)
+            n = min(budget, q.to_compute)
+            chunks.append((q, n))
+            budget -= n
+        for q, n in chunks:
+            shape = shape + prefill_shape(n, q.input_len - q.to_compute + q.computed)
+        dt = step_time_shape(spec, hw, shape, tp=config.tp, dtype=config.dtype, kv_dtype=config.kv_dtype).total_s
+        now += dt
+        steps += 1
+        batch_sum += len(decodes)
+        finished: list[_Req] = []
+        for q in decodes:
+            q.generated += 1
+            itls.append(now - q.last_token)
+            q.last_token = now
+            if q.generated >= q.output_len:
+                finished.append(q)
+        for q, n in chunks:
+            q.computed += n
+            if q.computed >= q.to_compute:
+                q.first_token = q.last_token = now
+                q.generated = 1
+                if q.output_len <= 1:
+                    finished.append(q)
+        for q in finished:
+            q.finish = now
+            running.remove(q)
+            done.append(q)
+            if closed and issued < num_requests:
+                arrivals.append(new_request(now, q.client))
+                issued += 1
+        if closed:
+            arrivals = deque(sorted(arrivals, key=lambda q: q.arrival))
+    done.sort(key=lambda q: q.arrival)
+    k = int(len(done) * warmup_fraction)
+    kept = done[k:len(done) - k] if len(done) > 4 * k else done
+    ttft = np.array([q.first_token - q.arrival for q in kept])
+    tpot = np.array([(q.finish - q.first_token) / (q.output_len - 1) for q in kept if q.output_len > 1])
+    span = max(q.finish for q in kept) - min(q.arrival for q in kept)
+    rps = len(kept) / span * r if span > 0 else 0.0
+    out_tokens = sum(q.output_len for q in kept)
+    return SimResult(ttft=Dist.of(ttft), tpot=Dist.of(tpot), itl=Dist.of(np.array(itls)), requests_per_s=rps,
+                     output_tokens_per_s=out_tokens / span * r if span > 0 else 0.0,
+                     mean_decode_batch=batch_sum / max(steps, 1), num_requests=len(kept), num_steps=steps)

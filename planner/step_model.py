@@ -1,0 +1,296 @@
+"""Time of one engine step: per-layer, per-operation FLOPs and bytes, combined by a calibrated additive model.
+
+A step runs one flat ragged batch: decode tokens (one per running sequence, each with its context length)
+and prefill chunks (each with its length and the tokens already computed before it), as the runtime does.
+For every operation we count, per device under tensor parallelism `tp`:
+
+- FLOPs (2 per multiply-add), weight bytes, KV bytes (read + write), activation bytes, all-reduce bytes;
+- MoE: the expected number of distinct routed experts the batch touches, E*(1-(1-k/E)^T), plus shared ones;
+- MLA: the compressed latent KV, replicated on every TP rank (not divided by tp), attended in absorbed form;
+- KV-head replication when tp > num_kv_heads; embedding, lm_head and sampling for one row per sequence.
+
+The time is a sum of terms, each a roofline term divided by an efficiency coefficient, plus fixed overheads
+per step, per layer and per sequence (`Coefficients`); `roofline_s` is the pure floor max(FLOPs/peak, bytes/BW).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from planner.hardware import Coefficients, Hardware
+from planner.memory import dtype_bytes, kv_heads_per_device
+from planner.model_spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """Aggregates of one ragged batch that the cost equations need (additive over sequences)."""
+
+    num_decode: int = 0  # decoding sequences (one token each)
+    num_prefill: int = 0  # prefill chunks (sequences)
+    prefill_tokens: int = 0  # sum of chunk lengths
+    attn_pairs: float = 0.0  # query x key pairs under the causal mask, summed over sequences
+    kv_read_tokens: float = 0.0  # KV entries read by attention (context incl. the new tokens)
+    decode_context: float = 0.0  # sum of decode context lengths (for reporting)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_decode + self.prefill_tokens
+
+    @property
+    def num_seqs(self) -> int:
+        return self.num_decode + self.num_prefill
+
+    def __add__(self, other: StepShape) -> StepShape:
+        return StepShape(*(a + b for a, b in zip(self._t(), other._t(), strict=True)))
+
+    def _t(self) -> tuple[float, ...]:
+        return (self.num_decode, self.num_prefill, self.prefill_tokens, self.attn_pairs, self.kv_read_tokens,
+                self.decode_context)
+
+
+def decode_shape(batch: int, context_len: float) -> StepShape:
+    """`batch` decoding sequences, each with `context_len` tokens already in the KV cache."""
+    return StepShape(num_decode=batch, attn_pairs=batch * (context_len + 1),
+                     kv_read_tokens=batch * (context_len + 1), decode_context=batch * context_len)
+
+
+def prefill_shape(chunk_len: int, computed: float = 0) -> StepShape:
+    """One prefill chunk of `chunk_len` tokens after `computed` tokens already in the KV cache."""
+    if chunk_len <= 0:
+        return StepShape()
+    return StepShape(num_prefill=1, prefill_tokens=chunk_len,
+                     attn_pairs=chunk_len * (computed + (chunk_len + 1) / 2), kv_read_tokens=computed + chunk_len)
+
+
+def batch_shape(decode_context_lens: Iterable[int] = (), prefill_chunks: Iterable[tuple[int, int]] = ()) -> StepShape:
+    """Shape of a ragged batch: decode context lengths, and (chunk_len, already_computed) per prefill chunk."""
+    ctx = [int(c) for c in decode_context_lens]
+    shape = StepShape(num_decode=len(ctx), attn_pairs=sum(ctx) + len(ctx), kv_read_tokens=sum(ctx) + len(ctx),
+                      decode_context=sum(ctx))
+    for q, p in prefill_chunks:
+        shape = shape + prefill_shape(int(q), int(p))
+    return shape
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """Per-device cost of one operation, for one layer (multiply by `count` for the whole model)."""
+
+    name: str
+    flops: float = 0.0
+    weight_bytes: float = 0.0
+    kv_bytes: float = 0.0
+    act_bytes: float = 0.0
+    comm_bytes: float = 0.0  # payload of collectives (all-reduce, all-gather)
+    collectives: int = 0  # number of collectives
+    count: int = 1  # layers this op repeats over
+    gemm_rows: int = 0  # M of the matmul (0: not a GEMM, e.g. attention)
+    allgather: bool = False
+
+
+def expected_experts(num_experts: int, k: int, tokens: float) -> float:
+    """Expected distinct routed experts touched by `tokens` tokens choosing `k` of `num_experts` uniformly."""
+    if num_experts <= 0 or tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - k / num_experts) ** tokens)
+
+
+def _act_bytes(dtype: str) -> float:
+    """Activations run in bf16 for low-precision weights, fp32 for fp32 weights."""
+    return 4.0 if dtype in ("fp32", "float32") else 2.0
+
+
+def op_costs(spec: ModelSpec, shape: StepShape, *, tp: int = 1, dtype: str = "bf16",
+             kv_dtype: str | None = None) -> list[OpCost]:
+    """Per-operation FLOPs and bytes of one step on one device (see module docstring)."""
+    kv_dtype = kv_dtype or dtype
+    bw, ba, bkv = dtype_bytes(dtype), _act_bytes(dtype), dtype_bytes(kv_dtype)
+    T, S = shape.num_tokens, shape.num_seqs
+    h, L = spec.hidden_size, spec.num_layers
+    nh = spec.num_heads / tp
+    ar = 1 if tp > 1 else 0
+    ops: list[OpCost] = []
+    if spec.is_mla:
+        kvr, rope, nope, vd = spec.kv_lora_rank, spec.qk_rope_head_dim, spec.qk_nope_head_dim, spec.v_head_dim
+        qhd = spec.q_head_dim
+        if spec.q_lora_rank:
+            qr = spec.q_lora_rank
+            q_w = h * qr + qr * nh * qhd
+        else:
+            q_w = h * nh * qhd
+        ops.append(OpCost("q_proj", flops=2 * T * q_w, weight_bytes=q_w * bw, act_bytes=T * (h + nh * qhd) * ba,
+                          count=L, gemm_rows=T))
+        kvd = h * (kvr + rope)
+        ops.append(OpCost("kv_down_proj", flops=2 * T * kvd, weight_bytes=kvd * bw, act_bytes=T * (h + kvr + rope) * ba,
+                          count=L, gemm_rows=T))
+        up = kvr * nh * (nope + vd)
+        ops.append(OpCost("kv_up_absorb", flops=2 * T * up, weight_bytes=up * bw,
+                          act_bytes=T * nh * (qhd + kvr + vd) * ba, count=L, gemm_rows=T))
+        kv_tok = (kvr + rope) * bkv  # latent + rope key, whole on every rank
+        ops.append(OpCost("attention", flops=nh * (2 * (kvr + rope) + 2 * kvr) * shape.attn_pairs,
+                          kv_bytes=(shape.kv_read_tokens + T) * kv_tok, act_bytes=T * nh * (kvr + rope + kvr) * ba,
+                          count=L))
+        o_w = nh * vd * h
+    else:
+        hd, nkv = spec.head_dim, kv_heads_per_device(spec, tp)
+        qkv_w = h * (nh + 2 * nkv) * hd + ((nh + 2 * nkv) * hd if spec.qkv_bias else 0)
+        ops.append(OpCost("qkv_proj", flops=2 * T * h * (nh + 2 * nkv) * hd, weight_bytes=qkv_w * bw,
+                          act_bytes=T * (h + (nh + 2 * nkv) * hd) * ba, count=L, gemm_rows=T))
+        kv_tok = 2 * nkv * hd * bkv
+        ops.append(OpCost("attention", flops=4 * nh * hd * shape.attn_pairs,
+                          kv_bytes=(shape.kv_read_tokens + T) * kv_tok, act_bytes=T * 2 * nh * hd * ba, count=L))
+        o_w = nh * hd * h
+    ops.append(OpCost("o_proj", flops=2 * T * o_w, weight_bytes=o_w * bw, act_bytes=T * (o_w / h + h) * ba,
+                      count=L, gemm_rows=T))
+    ops.append(OpCost("allreduce_attn", comm_bytes=T * h * ba * ar, collectives=ar, count=L))
+    ops.append(OpCost("norms_residual", act_bytes=T * h * ba * 6, weight_bytes=2 * h * bw, count=L))
+    if spec.num_dense_layers:
+        inter = spec.intermediate_size / tp
+        ops.append(OpCost("mlp", flops=2 * T * 3 * h * inter, weight_bytes=3 * h * inter * bw,
+                          act_bytes=T * (2 * h + 4 * inter) * ba, count=spec.num_dense_layers, gemm_rows=T))
+    if spec.is_moe:
+        E, k, sh = spec.num_experts, spec.num_experts_per_tok, spec.num_shared_experts
+        mi = spec.moe_intermediate_size / tp
+        distinct = expected_experts(E, k, T)
+        ops.append(OpCost("router", flops=2 * T * h * E, weight_bytes=h * E * bw, act_bytes=T * (h + E) * 4,
+                          count=spec.num_moe_layers, gemm_rows=T))
+        rows = max(1, round(T * k / max(distinct, 1e-9)))  # tokens per touched expert: the GEMM's M
+        ops.append(OpCost("experts", flops=2 * T * (k + sh) * 3 * h * mi, weight_bytes=(distinct + sh) * 3 * h * mi * bw,
+                          act_bytes=T * (k + sh) * (2 * h + 4 * mi) * ba, count=spec.num_moe_layers, gemm_rows=rows))
+    ops.append(OpCost("allreduce_mlp", comm_bytes=T * h * ba * ar, collectives=ar, count=L))
+    # Vocab-parallel embedding (gather of T rows, then an all-reduce), lm_head on one row per sequence, sampling.
+    ops.append(OpCost("embedding", weight_bytes=min(T, spec.vocab_size) * h * bw / tp, act_bytes=T * h * ba,
+                      comm_bytes=T * h * ba * ar, collectives=ar))
+    V = spec.vocab_size
+    ops.append(OpCost("lm_head", flops=2 * S * h * V / tp, weight_bytes=h * V * bw / tp, act_bytes=S * (h + V / tp) * 4,
+                      comm_bytes=S * V * 4 * ar, collectives=ar, gemm_rows=S, allgather=True))
+    ops.append(OpCost("sampling", flops=8 * S * V, act_bytes=3 * S * V * 4))
+    return ops
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted time of one step, split into additive terms (seconds), plus the pure roofline floor."""
+
+    total_s: float
+    compute_s: float
+    weight_s: float  # weight reads and activation traffic
+    kv_s: float
+    comm_s: float
+    overhead_s: float
+    roofline_s: float  # max(FLOPs/peak, bytes/BW) + ideal collectives: no efficiency, no overheads
+    flops: float
+    bytes: float
+    shape: StepShape = field(repr=False, default_factory=StepShape)
+
+    @property
+    def terms(self) -> dict[str, float]:
+        return {"compute": self.compute_s, "weights": self.weight_s, "kv_cache": self.kv_s,
+                "communication": self.comm_s, "overhead": self.overhead_s}
+
+    @property
+    def bottleneck(self) -> str:
+        """The term that contributes most to the step time."""
+        return max(self.terms.items(), key=lambda kv: kv[1])[0]
+
+    @property
+    def total_ms(self) -> float:
+        return self.total_s * 1e3
+
+    def explain(self) -> str:
+        """The binding term in one sentence."""
+        b = self.bottleneck
+        share = self.terms[b] / self.total_s if self.total_s else 0.0
+        return (f"{b} binds: {share:.0%} of a {self.total_ms:.2f} ms step "
+                f"(roofline floor {self.roofline_s * 1e3:.2f} ms, arithmetic intensity "
+                f"{self.flops / max(self.bytes, 1):.0f} FLOP/byte)")
+
+
+def _collective_s(hw: Hardware, tp: int, payload: float, allgather: bool, eff: float, latency: bool = True) -> float:
+    if tp <= 1 or payload <= 0:
+        return 0.0
+    link = hw.intra_node_bw if tp <= hw.devices_per_node else hw.inter_node_bw
+    factor = (tp - 1) / tp if allgather else 2 * (tp - 1) / tp
+    lat = hw.allreduce_latency_s * (1 if tp <= hw.devices_per_node else 4)
+    return (lat if latency else 0.0) + factor * payload / (link * eff)
+
+
+def time_ops(ops: Sequence[OpCost], spec: ModelSpec, shape: StepShape, hw: Hardware, *, tp: int = 1,
+             dtype: str = "bf16", coefficients: Coefficients | None = None) -> StepTime:
+    """Combine operation costs into a step time with `coefficients` (default: the hardware's)."""
+    c = coefficients or hw.coefficients
+    peak = hw.peak(dtype)
+    compute = weight = kv = comm = ideal_comm = 0.0
+    flops = nbytes = 0.0
+    for op in ops:
+        n = op.count
+        flops += op.flops * n
+        nbytes += (op.weight_bytes + op.kv_bytes + op.act_bytes) * n
+        if op.flops:
+            eff = c.compute_eff * (op.gemm_rows / (op.gemm_rows + c.gemm_m_half) if op.gemm_rows else 1.0)
+            compute += op.flops * n / (peak * eff)
+        weight += (op.weight_bytes + op.act_bytes) * n / (hw.memory_bw * c.weight_bw_eff)
+        kv += op.kv_bytes * n / (hw.memory_bw * c.kv_bw_eff)
+        for _ in range(op.collectives):
+            comm += _collective_s(hw, tp, op.comm_bytes, op.allgather, c.comm_eff) * n
+            ideal_comm += _collective_s(hw, tp, op.comm_bytes, op.allgather, 1.0) * n
+    overhead = (c.step_overhead_s + spec.num_layers * c.layer_overhead_s + shape.num_seqs * c.seq_overhead_s
+                + shape.prefill_tokens * c.prefill_token_overhead_s)
+    roofline = max(flops / peak, nbytes / hw.memory_bw) + ideal_comm
+    total = compute + weight + kv + comm + overhead
+    return StepTime(total_s=total, compute_s=compute, weight_s=weight, kv_s=kv, comm_s=comm, overhead_s=overhead,
+                    roofline_s=roofline, flops=flops, bytes=nbytes, shape=shape)
+
+
+def step_time_shape(spec: ModelSpec, hw: Hardware, shape: StepShape, *, tp: int = 1, dtype: str = "bf16",
+                    kv_dtype: str | None = None, coefficients: Coefficients | None = None) -> StepTime:
+    """Step time for an aggregated `StepShape` (what the serving model and the simulator call)."""
+    if shape.num_tokens <= 0:
+        return StepTime(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, shape)
+    ops = op_costs(spec, shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype)
+    return time_ops(ops, spec, shape, hw, tp=tp, dtype=dtype, coefficients=coefficients)
+
+
+def step_time(spec: ModelSpec, hw: Hardware, decode_context_lens: Iterable[int] = (),
+              prefill_chunks: Iterable[tuple[int, int]] = (), *, tp: int = 1, dtype: str = "bf16",
+              kv_dtype: str | None = None, coefficients: Coefficients | None = None) -> StepTime:
+    """Predicted time of one engine step on one TP group.
+
+    `decode_context_lens`: tokens already cached for each decoding sequence (each decodes one token).
+    `prefill_chunks`: (chunk_len, already_computed) for each prefill chunk in the step.
+    """
+    return step_time_shape(spec, hw, batch_shape(decode_context_lens, prefill_chunks), tp=tp, dtype=dtype,
+                           kv_dtype=kv_dtype, coefficients=coefficients)
+
+
+def prefill_time(spec: ModelSpec, hw: Hardware, prompt_len: int, chunk_size: int, *, computed: int = 0,
+                 decode_batch: int = 0, decode_context: float = 0.0, tp: int = 1, dtype: str = "bf16",
+                 kv_dtype: str | None = None) -> tuple[float, int]:
+    """Wall time and number of steps to prefill `prompt_len` new tokens in chunks of `chunk_size`.
+
+    Each step also carries `decode_batch` decodes (decode-first scheduling); the budget left for the prompt
+    is `chunk_size - decode_batch` tokens per step.
+    """
+    budget = max(1, chunk_size - decode_batch)
+    total, steps, done = 0.0, 0, 0
+    dec = decode_shape(decode_batch, decode_context) if decode_batch else StepShape()
+    while done < prompt_len:
+        q = min(budget, prompt_len - done)
+        total += step_time_shape(spec, hw, dec + prefill_shape(q, computed + done), tp=tp, dtype=dtype,
+                                 kv_dtype=kv_dtype).total_s
+        done += q
+        steps += 1
+    return total, steps
+
+
+def weight_time_per_device(spec: ModelSpec, hw: Hardware, tp: int, dtype: str = "bf16") -> float:
+    """Seconds to stream one device's share of the weights at peak bandwidth, for one decode token."""
+    ops = op_costs(spec, decode_shape(1, 0), tp=tp, dtype=dtype)
+    return sum(op.weight_bytes * op.count for op in ops) / hw.memory_bw
+
+
+def ceil_div(a: float, b: float) -> int:
+    return int(math.ceil(a / b))
