@@ -8,6 +8,7 @@ Heavy imports (jax, fastapi, uvicorn) happen inside the command so `jaxserve pla
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from typing import Any
 
@@ -56,9 +57,12 @@ def serve(host: str, port: int, served_model_name: str | None, log_interval: flo
                             config.model_name, host, actual, engine.max_model_len, time.monotonic() - t0)
 
         def handle_exit(self, sig: int, frame: Any) -> None:
-            # Abort in-flight requests so their streams end now instead of holding the shutdown.
+            # Abort in-flight requests so their streams end now instead of holding the shutdown. Unlike
+            # uvicorn's own handler, do not re-raise the signal after shutdown: a clean stop exits 0.
             app.state.generator.abort_all()
-            super().handle_exit(sig, frame)
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
 
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
                                     access_log=False, timeout_graceful_shutdown=2, lifespan="on"))

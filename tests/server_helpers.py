@@ -1,0 +1,61 @@
+"""A uvicorn server in a background thread on a free loopback port, for live-server tests."""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+from typing import Any
+
+import httpx
+import uvicorn
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """Serves `app` with uvicorn in a daemon thread; `url` is its base URL."""
+
+    def __init__(self, app: Any) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("test server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Unlabelled view of /metrics: {'jaxserve:num_requests_running': 0.0, ...} (first sample per name)."""
+    values: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})? ([-+0-9.eEinfNa]+)$", line)
+        if m:
+            values.setdefault(m.group(1), float(m.group(3)))
+    return values
+
+
+def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
