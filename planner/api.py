@@ -1,0 +1,274 @@
+"""The planner's Python API; `jaxserve plan` is a thin layer over `plan`.
+
+Three first-class predictions the runtime's report calls on a (calibrated) hardware profile:
+- `predict_step`: time of one engine step for a given ragged batch;
+- `predict_serving`: TTFT/TPOT/ITL and throughput for a workload at a rate or concurrency, fixed config;
+- `choose_chunk_size`: the prefill chunk that keeps running decodes' ITL under a target.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from planner.disaggregate import DisaggPlan, plan_disaggregated
+from planner.hardware import Hardware, load_hardware
+from planner.memory import dtype_bytes
+from planner.model_spec import ModelSpec, load_model_spec
+from planner.search import Candidate, search
+from planner.serving import ServingConfig, ServingPrediction, Workload
+from planner.serving import predict_serving as _predict_serving
+from planner.simulate import SimResult, simulate
+from planner.step_model import StepTime, decode_shape, prefill_shape, step_time, step_time_shape
+
+DEFAULT_CONCURRENCY = 64
+
+
+def resolve_model(model: str | Path | ModelSpec) -> ModelSpec:
+    """A preset name, an HF config.json (or its folder), or a spec."""
+    return model if isinstance(model, ModelSpec) else load_model_spec(str(model))
+
+
+def predict_step(model: str | ModelSpec, hardware: str | Path | Hardware, decode_context_lens: Iterable[int] = (),
+                 prefill_chunks: Iterable[tuple[int, int]] = (), *, tp: int = 1, dtype: str = "bf16",
+                 kv_dtype: str | None = None) -> StepTime:
+    """Predicted time of one engine step (one TP group).
+
+    decode_context_lens: tokens already in the KV cache of each decoding sequence (each adds one token).
+    prefill_chunks: (chunk_len, already_computed_len) per prefill chunk in the same step.
+    Returns a `StepTime`: `.total_s`, the additive terms, `.roofline_s` and `.bottleneck`.
+    """
+    return step_time(resolve_model(model), load_hardware(hardware), decode_context_lens, prefill_chunks, tp=tp,
+                     dtype=dtype, kv_dtype=kv_dtype)
+
+
+def predict_serving(model: str | ModelSpec, hardware: str | Path | Hardware, workload: Workload,
+                    config: ServingConfig | None = None, *, ttft_slo_ms: float | None = None,
+                    tpot_slo_ms: float | None = None) -> ServingPrediction:
+    """Closed-form TTFT/TPOT/ITL (mean, p50, p90, p99 in ms), throughput and goodput for a fixed config.
+
+    `workload` holds the lengths and either `request_rate` (Poisson, req/s) or `concurrency` (closed-loop
+    clients), both totals over `config.replicas`.
+    """
+    return _predict_serving(resolve_model(model), load_hardware(hardware), workload, config or ServingConfig(),
+                            ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms)
+
+
+@dataclass(frozen=True)
+class ChunkChoice:
+    """A prefill chunk size and the ITL it gives the decodes running beside a long prompt (ms)."""
+
+    chunk_size: int
+    max_itl_ms: float  # worst step while the prompt is prefilled in chunks (its last chunk)
+    undisturbed_tpot_ms: float  # decode step without any prefill
+    unchunked_itl_ms: float  # the stall if the whole prompt went in one step
+    stall_itls_ms: tuple[float, ...]  # every step time during the chunked prefill
+    num_chunks: int
+
+
+def chunked_prefill_itls(model: str | ModelSpec, hardware: str | Path | Hardware, prompt_len: int, chunk_size: int,
+                         *, decode_batch: int, context_len: int, tp: int = 1, dtype: str = "bf16",
+                         kv_dtype: str | None = None) -> list[float]:
+    """Step times (s) the running decodes see while `prompt_len` is prefilled in chunks of `chunk_size`."""
+    spec, hw = resolve_model(model), load_hardware(hardware)
+    dec = decode_shape(decode_batch, context_len)
+    budget = max(1, chunk_size - decode_batch)
+    times, done = [], 0
+    while done < prompt_len:
+        q = min(budget, prompt_len - done)
+        shape = dec + prefill_shape(q, done) if decode_batch else prefill_shape(q, done)
+        times.append(step_time_shape(spec, hw, shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype).total_s)
+        done += q
+    return times
+
+
+def choose_chunk_size(model: str | ModelSpec, hardware: str | Path | Hardware, itl_target_ms: float, *,
+                      prompt_len: int, decode_batch: int, context_len: int, tp: int = 1, dtype: str = "bf16",
+                      kv_dtype: str | None = None, page_size: int = 16) -> ChunkChoice:
+    """Largest page-aligned chunk whose steps keep the ITL of `decode_batch` running decodes <= target.
+
+    The chunk is the step's whole token budget (max_num_batched_tokens), decodes included, as the runtime
+    schedules it. If even one page exceeds the target, one page is returned (the best that can be done).
+    """
+    spec, hw = resolve_model(model), load_hardware(hardware)
+    kw: dict[str, Any] = dict(decode_batch=decode_batch, context_len=context_len, tp=tp, dtype=dtype,
+                              kv_dtype=kv_dtype)
+
+    def worst(chunk: int) -> float:
+        return max(chunked_prefill_itls(spec, hw, prompt_len, chunk, **kw))
+
+    target = itl_target_ms / 1e3
+    top = math.ceil((prompt_len + decode_batch) / page_size)
+    lo, hi = 1, top
+    if worst(lo * page_size + decode_batch) > target:
+        hi = lo
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if worst(mid * page_size + decode_batch) <= target:
+            lo = mid
+        else:
+            hi = mid - 1
+    chunk = lo * page_size + decode_batch
+    chunk = max(page_size, chunk // page_size * page_size)
+    stalls = chunked_prefill_itls(spec, hw, prompt_len, chunk, **kw)
+    undisturbed = step_time_shape(spec, hw, decode_shape(max(decode_batch, 1), context_len), tp=tp, dtype=dtype,
+                                  kv_dtype=kv_dtype).total_s
+    unchunked = max(chunked_prefill_itls(spec, hw, prompt_len, prompt_len + decode_batch, **kw))
+    return ChunkChoice(chunk_size=chunk, max_itl_ms=max(stalls) * 1e3, undisturbed_tpot_ms=undisturbed * 1e3,
+                       unchunked_itl_ms=unchunked * 1e3, stall_itls_ms=tuple(t * 1e3 for t in stalls),
+                       num_chunks=len(stalls))
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """Everything `jaxserve plan` takes. None means: search it (knobs) or not given (SLOs, load)."""
+
+    model: str | ModelSpec = "llama-3.1-8b"
+    hardware: str | Hardware = "h100-sxm"
+    num_devices: int = 1
+    input_len: int = 1024
+    output_len: int = 256
+    spread: float = 0.0
+    prefix_hit: float = 0.0
+    request_rate: float | None = None
+    concurrency: float | None = None  # default DEFAULT_CONCURRENCY when neither rate nor concurrency given
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+    tp: int | None = None
+    max_num_seqs: int | None = None
+    chunk_size: int | None = None
+    page_size: int = 16
+    dtype: str = "bf16"
+    kv_dtype: str | None = None
+    gpu_memory_utilization: float = 0.9
+    disaggregate: bool = False
+    simulate: bool = False
+    simulate_requests: int = 600
+
+    def workload(self) -> Workload:
+        conc = self.concurrency
+        if conc is None and self.request_rate is None:
+            conc = DEFAULT_CONCURRENCY
+        return Workload(input_len=self.input_len, output_len=self.output_len, spread=self.spread,
+                        prefix_hit=self.prefix_hit, request_rate=self.request_rate, concurrency=conc)
+
+
+@dataclass
+class PlanResult:
+    """The chosen configuration, its predictions, the ranked candidates and optional extras."""
+
+    request: PlanRequest
+    spec: ModelSpec
+    hardware: Hardware
+    best: Candidate
+    candidates: list[Candidate]
+    disaggregated: DisaggPlan | None = None
+    simulation: SimResult | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def config(self) -> ServingConfig:
+        return self.best.config
+
+    @property
+    def prediction(self) -> ServingPrediction:
+        return self.best.prediction
+
+    def to_json(self) -> dict[str, Any]:
+        """One JSON-able object with the keys `jaxserve plan --json` promises (inf -> null)."""
+        c, p = self.config, self.prediction
+        mem = p.memory
+        colocated = self.best.score[0] if p.stable else 0.0
+        d = self.disaggregated
+        out: dict[str, Any] = {
+            "model": self.spec.name, "hardware": self.hardware.name, "num_devices": self.request.num_devices,
+            "config": {"tp": c.tp, "replicas": c.replicas, "max_num_seqs": c.max_num_seqs,
+                       "chunk_size": c.chunk_size, "page_size": c.page_size, "dtype": c.dtype,
+                       "kv_dtype": c.kv_dtype or c.dtype},
+            "workload": {"input_len": self.request.input_len, "output_len": self.request.output_len,
+                         "spread": self.request.spread, "prefix_hit": self.request.prefix_hit,
+                         "request_rate": self.request.request_rate,
+                         "concurrency": self.request.workload().concurrency},
+            "predicted": {
+                "ttft_ms": p.ttft.to_dict(), "tpot_ms": p.tpot.to_dict(), "itl_ms": p.itl.to_dict(),
+                "output_tokens_per_s": p.output_tokens_per_s, "requests_per_s": p.requests_per_s,
+                "goodput_requests_per_s": p.goodput_requests_per_s,
+                "kv_capacity_tokens": mem.kv_capacity_tokens * c.replicas,
+                "max_concurrency": p.max_concurrency * c.replicas,
+                "memory_gib": mem.gib(),
+                "step_ms": {"decode": p.decode_step.total_ms, "prefill_chunk": p.prefill_chunk_step.total_ms},
+                "bottleneck": p.bottleneck,
+                "stable": p.stable, "load": p.load, "capacity_requests_per_s": p.capacity_requests_per_s,
+                "decode_batch": p.decode_batch, "decode_step_terms_ms": {k: v * 1e3 for k, v in
+                                                                        p.decode_step.terms.items()},
+                "roofline_decode_step_ms": p.decode_step.roofline_s * 1e3,
+            },
+            "disaggregated": None if d is None else {
+                "prefill": {"instances": d.prefill_instances, "tp": d.prefill_tp},
+                "decode": {"instances": d.decode_instances, "tp": d.decode_tp},
+                "pd_ratio": d.pd_ratio, "kv_transfer_ms": d.kv_transfer_ms,
+                "goodput_per_device": d.goodput_per_device, "colocated_goodput_per_device": colocated,
+                "ttft_ms": d.ttft.to_dict(), "tpot_ms": d.tpot.to_dict(), "num_devices": d.num_devices},
+            "candidates": [cand.summary() for cand in self.candidates],
+            "simulated": None if self.simulation is None else {
+                "ttft_ms": self.simulation.ttft.to_dict(), "tpot_ms": self.simulation.tpot.to_dict(),
+                "itl_ms": self.simulation.itl.to_dict(), "requests_per_s": self.simulation.requests_per_s,
+                "output_tokens_per_s": self.simulation.output_tokens_per_s},
+            "notes": self.notes,
+        }
+        return _finite(out)
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x
+
+
+def plan(req: PlanRequest) -> PlanResult:
+    """Search configurations for `req` and predict the best one (see `PlanRequest`).
+
+    Raises ModelSpecError / HardwareError (unknown inputs), ConfigError (bad TP), DoesNotFitError, ValueError.
+    """
+    spec = resolve_model(req.model)
+    hw = load_hardware(req.hardware)
+    dtype_bytes(req.dtype)
+    if req.kv_dtype:
+        dtype_bytes(req.kv_dtype)
+    if req.num_devices < 1:
+        raise ValueError("--num-devices must be positive")
+    wl = req.workload()
+    cands = search(spec, hw, wl, req.num_devices, tp=req.tp, max_num_seqs=req.max_num_seqs,
+                   chunk_size=req.chunk_size, page_size=req.page_size, dtype=req.dtype, kv_dtype=req.kv_dtype,
+                   gpu_memory_utilization=req.gpu_memory_utilization, ttft_slo_ms=req.ttft_slo_ms,
+                   tpot_slo_ms=req.tpot_slo_ms)
+    best = cands[0]
+    result = PlanResult(request=req, spec=spec, hardware=hw, best=best, candidates=cands)
+    if not best.prediction.stable:
+        result.notes.append("no configuration sustains the offered load; showing the least overloaded")
+    if req.disaggregate:
+        if req.num_devices < 2:
+            result.notes.append("--disaggregate needs at least 2 devices")
+        else:
+            result.disaggregated = plan_disaggregated(
+                spec, hw, wl, req.num_devices, dtype=req.dtype, kv_dtype=req.kv_dtype, page_size=req.page_size,
+                gpu_memory_utilization=req.gpu_memory_utilization, ttft_slo_ms=req.ttft_slo_ms,
+                tpot_slo_ms=req.tpot_slo_ms)
+            if result.disaggregated is None:
+                result.notes.append("no prefill/decode split fits and sustains the load on these devices")
+    if req.simulate:
+        result.simulation = simulate(spec, hw, wl, best.config, num_requests=req.simulate_requests)
+    return result
+
+
+def with_coefficients(hardware: str | Path | Hardware, **coefficients: float) -> Hardware:
+    """A hardware profile with some step-model coefficients replaced (e.g. fitted by calibration)."""
+    hw = load_hardware(hardware)
+    return replace(hw, coefficients=replace(hw.coefficients, **coefficients))
