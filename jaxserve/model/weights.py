@@ -210,6 +210,18 @@ def load_hf_checkpoint(folder: str | Path, spec: ModelSpec | None = None, dtype:
     return _merge(graphdef, state, params)
 
 
+def load_checkpoint(folder: str | Path, spec: ModelSpec | None = None, dtype: jnp.dtype | str = "auto",
+                    mesh: jax.sharding.Mesh | None = None) -> LlamaForCausalLM:
+    """Load a folder written by `checkpoint.convert` (fast path) or an HF safetensors folder."""
+    from jaxserve.model.checkpoint import is_converted, load_converted
+
+    folder = Path(folder).expanduser()
+    spec = spec or load_model_spec(str(folder))
+    if is_converted(folder):
+        return load_converted(folder, spec, dtype)
+    return load_hf_checkpoint(folder, spec, dtype, mesh=mesh)
+
+
 def _place(x: jax.Array, path: str, mesh: jax.sharding.Mesh | None) -> jax.Array:
     if mesh is None:
         return x
