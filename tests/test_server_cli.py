@@ -1,0 +1,99 @@
+"""`jaxserve serve` as a process: ready line, bad flags, and a clean exit on SIGTERM/SIGINT mid-request."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from server_helpers import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+# The same engine shape as test_server_openai's, so the persistent compilation cache serves both.
+SMALL_ENGINE = ["--max-num-seqs", "64", "--max-num-batched-tokens", "256", "--chunk-size", "64",
+                "--kv-cache-memory", "16MiB", "--max-model-len", "512"]
+
+
+def _launch(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    return subprocess.Popen([sys.executable, "-c", "from jaxserve.cli import main; main()", "serve", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+
+def _stderr_lines(proc: subprocess.Popen) -> queue.Queue[str]:
+    lines: queue.Queue[str] = queue.Queue()
+
+    def pump() -> None:
+        for line in proc.stderr:  # type: ignore[union-attr]
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return lines
+
+
+@pytest.mark.parametrize("args, mentions", [
+    (["--port", "eighty"], "--port"),
+    (["--kv-cache-memory", "12XB"], "12XB"),
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--no-such-flag"], "--no-such-flag"),
+])
+def test_bad_flags_are_one_line_and_exit_2(args: list[str], mentions: str) -> None:
+    proc = _launch(*args)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert len(err.strip().splitlines()) == 1 and mentions in err, err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_with_requests_in_flight_exits_0_within_5s(sig: signal.Signals) -> None:
+    port = free_port()
+    proc = _launch("--port", str(port), "--served-model-name", "srv", *SMALL_ENGINE)
+    lines = _stderr_lines(proc)
+    try:
+        deadline, seen = time.monotonic() + 120, []
+        while not any("jaxserve ready" in line for line in seen):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(seen)
+            with contextlib.suppress(queue.Empty):
+                seen.append(lines.get(timeout=0.5))
+        assert sum("jaxserve ready" in line for line in seen) == 1
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "srv"
+
+        started = threading.Barrier(5)
+        ended: list[bool] = []
+
+        def stream() -> None:
+            body = {"prompt": "keep going", "max_tokens": 480, "ignore_eos": True, "stream": True}
+            try:
+                with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+                    it = r.iter_lines()
+                    next(it)
+                    started.wait(30)
+                    for _ in it:
+                        pass
+            except httpx.HTTPError:
+                pass
+            ended.append(True)
+
+        threads = [threading.Thread(target=stream, daemon=True) for _ in range(4)]
+        for t in threads:
+            t.start()
+        started.wait(30)
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        assert proc.wait(timeout=5) == 0
+        assert time.monotonic() - t0 < 5
+        for t in threads:
+            t.join(5)
+        assert len(ended) == 4
+    finally:
+        if proc.poll() is None:
+            proc.kill()
