@@ -1,0 +1,413 @@
+"""The scheduler driven by a fake model: budgets, chunking, prefix hits, preemption, aborts and no leaks.
+
+The fake model stores token ids as its "KV": it writes each step's tokens through `slot_mapping` and reads
+each sequence's context back through its page table, checks that the context is the request's tokens (so a
+wrong page, a stale cached page or a page freed too early shows up), and samples a token that depends on the
+whole context. Outputs therefore do not depend on batching, chunking, caching or preemption.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxserve.batch import RaggedBatch
+from jaxserve.kv_cache_manager import KVCacheManager
+from jaxserve.request import Request, RequestStatus
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler import Scheduler, SchedulerConfig, check_token_stop
+
+VOCAB = 50
+
+
+class FakeModel:
+    """A paged 'model' whose KV is the token ids themselves."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        self.page_size = page_size
+        self.kv = np.full(num_pages * page_size, -1, dtype=np.int64)
+
+    def step(self, batch: RaggedBatch) -> np.ndarray:
+        self.kv[batch.slot_mapping] = batch.token_ids
+        sampled = np.zeros(batch.num_seqs, dtype=np.int64)
+        for s, req in enumerate(batch.requests):
+            n = int(batch.kv_lens[s])
+            pages = batch.page_table[s, : -(-n // self.page_size)]
+            slots = (pages[:, None] * self.page_size + np.arange(self.page_size)).ravel()[:n]
+            context = self.kv[slots]
+            assert context.tolist() == req.all_token_ids[:n], f"{req.request_id} reads wrong KV"
+            sampled[s] = int((context * np.arange(1, n + 1)).sum() % 7919) % VOCAB + 1
+        return sampled
+
+
+def make_scheduler(num_pages: int = 64, **overrides) -> Scheduler:
+    defaults = dict(max_num_seqs=8, max_num_batched_tokens=64, chunk_size=32, page_size=4, max_model_len=512)
+    config = SchedulerConfig(**{**defaults, **overrides})
+    return Scheduler(config, KVCacheManager(num_pages, config.page_size, config.enable_prefix_caching))
+
+
+def make_request(rid: str, prompt: list[int], max_tokens: int = 8, salt: str | None = None) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Request(rid, list(prompt), params, arrival_time=0.0, max_tokens=max_tokens, cache_salt=salt)
+
+
+def check_batch(batch: RaggedBatch, config: SchedulerConfig) -> None:
+    """Everything a step may rely on: budgets, decodes first, chunk sizes, page-aligned chunk ends."""
+    q_lens = np.diff(batch.cu_q_lens)
+    assert batch.num_tokens <= config.max_num_batched_tokens
+    assert batch.num_seqs <= config.max_num_seqs
+    assert (q_lens >= 1).all()
+    assert len({r.request_id for r in batch.requests}) == batch.num_seqs
+    assert (q_lens[: batch.num_decodes] == 1).all() and batch.samples[: batch.num_decodes].all()
+    for s in range(batch.num_decodes, batch.num_seqs):
+        assert q_lens[s] <= config.chunk_size
+        assert batch.samples[s] or batch.kv_lens[s] % config.page_size == 0, "chunk ends mid-page"
+
+
+class Driver:
+    """A minimal engine loop: schedule, run the fake model, update, stop on max_tokens."""
+
+    def __init__(self, scheduler: Scheduler, num_pages: int) -> None:
+        self.scheduler = scheduler
+        self.model = FakeModel(num_pages, scheduler.config.page_size)
+        self.finished: dict[str, Request] = {}
+        self.batches: list[RaggedBatch] = []
+
+    def step(self) -> RaggedBatch | None:
+        sched = self.scheduler
+        batch = sched.schedule()
+        sched.integrity_check()
+        if batch is None:
+            return None
+        check_batch(batch, sched.config)
+        self.batches.append(batch)
+        for req in sched.update_after_step(batch, self.model.step(batch)):
+            status = sched.check_stop(req)
+            if status is not None:
+                sched.finish_request(req, status)
+                self.finished[req.request_id] = req
+        sched.integrity_check()
+        return batch
+
+    def run(self, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_work():
+                return
+            self.step()
+        raise AssertionError("the scheduler did not drain its work: livelock or deadlock")
+
+
+def outputs_of(requests: list[Request], **config) -> dict[str, list[int]]:
+    """Serve fresh copies of `requests` to completion and return each one's generated tokens."""
+    num_pages = config.pop("num_pages", 64)
+    driver = Driver(make_scheduler(num_pages, **config), num_pages)
+    for r in requests:
+        driver.scheduler.add_request(make_request(r.request_id, r.prompt_token_ids, r.max_tokens, r.cache_salt))
+    driver.run()
+    assert driver.scheduler.kv.usage() == 0.0
+    return {rid: r.output_token_ids for rid, r in driver.finished.items()}
+
+
+# ---- examples ---------------------------------------------------------------------------------------
+
+
+def test_one_step_mixes_decodes_and_prefill_chunks_decodes_first() -> None:
+    driver = Driver(make_scheduler(), 64)
+    sched = driver.scheduler
+    sched.add_request(make_request("short", [1, 2, 3]))
+    first = driver.step()
+    assert first is not None and first.num_decodes == 0 and first.samples.tolist() == [True]
+    sched.add_request(make_request("long", list(range(1, 101))))
+    mixed = driver.step()
+    assert mixed is not None
+    assert [r.request_id for r in mixed.requests] == ["short", "long"]
+    assert mixed.num_decodes == 1
+    assert mixed.num_tokens == 1 + 32  # one decode token plus a 32-token chunk
+    assert mixed.samples.tolist() == [True, False]
+    driver.run()
+    assert len(driver.finished["long"].output_token_ids) == 8
+
+
+def test_prompt_is_prefilled_in_page_aligned_chunks_within_the_token_budget() -> None:
+    driver = Driver(make_scheduler(max_num_batched_tokens=30, chunk_size=24), 64)
+    driver.scheduler.add_request(make_request("a", list(range(1, 61))))
+    chunks = []
+    while True:
+        batch = driver.step()
+        assert batch is not None
+        chunks.append(batch.num_tokens)
+        if batch.samples[0]:
+            break
+    assert chunks == [24, 24, 12]  # 24 = min(chunk, budget) floored to pages; the last chunk finishes
+    driver.run()
+
+
+def test_max_num_seqs_caps_running_requests() -> None:
+    driver = Driver(make_scheduler(max_num_seqs=2), 64)
+    for i in range(5):
+        driver.scheduler.add_request(make_request(f"r{i}", [i + 1] * 5))
+    driver.step()
+    assert driver.scheduler.num_running == 2 and driver.scheduler.num_waiting == 3
+    driver.run()
+    assert len(driver.finished) == 5
+
+
+def test_prefix_hits_are_counted_and_reported() -> None:
+    driver = Driver(make_scheduler(), 64)
+    sched = driver.scheduler
+    system = list(range(1, 33))
+    sched.add_request(make_request("a", system + [40, 41]))
+    driver.step()
+    stats = sched.stats()
+    assert (stats.prefix_queries, stats.prefix_hits) == (34, 0)
+    driver.run()
+    sched.add_request(make_request("b", system + [42, 43, 44]))
+    driver.step()
+    stats = sched.stats()
+    assert (stats.prefix_queries, stats.prefix_hits) == (35, 32)
+    assert sched.get_request("b") is not None and sched.get_request("b").num_cached_tokens == 32
+    assert driver.batches[-1].num_tokens == 3  # only the uncached suffix is prefilled
+    driver.run()
+
+
+def test_the_next_turn_of_a_conversation_hits_the_previous_answer() -> None:
+    driver = Driver(make_scheduler(), 64)
+    turn1 = make_request("turn1", list(range(1, 19)), max_tokens=10)
+    driver.scheduler.add_request(turn1)
+    driver.run()
+    history = turn1.all_token_ids  # 18 prompt + 10 answer tokens; KV computed for 27 of them
+    driver.scheduler.add_request(make_request("turn2", history + [7, 7, 7]))
+    driver.step()
+    assert driver.scheduler.get_request("turn2").num_cached_tokens == 24  # 27 floored to pages
+
+
+def test_a_second_request_hits_the_pages_of_one_still_prefilling() -> None:
+    driver = Driver(make_scheduler(max_num_batched_tokens=16, chunk_size=16), 64)
+    prompt = list(range(1, 65))
+    driver.scheduler.add_request(make_request("first", prompt))
+    driver.step()
+    driver.step()  # first has computed 32 tokens, cached as they completed
+    driver.scheduler.add_request(make_request("second", prompt + [99]))
+    while driver.scheduler.get_request("second").num_cached_tokens < 0:
+        driver.step()
+    assert driver.scheduler.get_request("second").num_cached_tokens >= 32
+    driver.run()
+
+
+def test_salted_requests_never_hit_each_other() -> None:
+    driver = Driver(make_scheduler(), 64)
+    prompt = list(range(1, 30))
+    driver.scheduler.add_request(make_request("a", prompt, salt="tenant-a"))
+    driver.run()
+    for rid, salt in [("b", "tenant-b"), ("c", None)]:
+        driver.scheduler.add_request(make_request(rid, prompt, salt=salt))
+        driver.step()
+        assert driver.scheduler.get_request(rid).num_cached_tokens == 0
+        driver.run()
+
+
+def test_never_fitting_requests_are_rejected_with_clear_errors() -> None:
+    sched = make_scheduler(num_pages=11, max_model_len=100)  # 10 usable pages of 4 tokens = 40 tokens
+    with pytest.raises(ValueError, match=r"prompt \(90 tokens\) \+ max_tokens \(20\) = 110 tokens exceeds "
+                                         r"max_model_len \(100\)"):
+        sched.add_request(make_request("too-long", [1] * 90, max_tokens=20))
+    with pytest.raises(ValueError, match="needs 11 KV pages of 4 tokens, but the whole KV pool has 10"):
+        sched.add_request(make_request("too-big", [1] * 40, max_tokens=2))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        sched.add_request(make_request("empty", []))
+    sched.add_request(make_request("fits", [1] * 40, max_tokens=1))  # exactly the whole pool
+    with pytest.raises(ValueError, match="already in use"):
+        sched.add_request(make_request("fits", [1]))
+    assert sched.num_waiting == 1
+
+
+def test_config_rejects_impossible_budgets() -> None:
+    with pytest.raises(ValueError, match="chunk_size"):
+        SchedulerConfig(chunk_size=8, page_size=16)
+    with pytest.raises(ValueError, match="policy"):
+        SchedulerConfig(policy="random")
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        SchedulerConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        Scheduler(SchedulerConfig(), KVCacheManager(8, 16, enable_prefix_caching=False))
+
+
+def test_abort_frees_pages_at_once_whether_waiting_or_running() -> None:
+    driver = Driver(make_scheduler(max_num_seqs=1), 64)
+    sched = driver.scheduler
+    sched.add_request(make_request("running", list(range(1, 40))))
+    sched.add_request(make_request("waiting", list(range(1, 40))))
+    driver.step()
+    assert sched.kv.usage() > 0
+    assert sched.abort_request("waiting") and sched.abort_request("running")
+    assert sched.kv.usage() == 0.0 and not sched.has_work()
+    assert not sched.abort_request("running")  # already gone
+    sched.integrity_check()
+
+
+def test_forced_preemption_recomputes_the_newest_request_and_requeues_it_at_the_front() -> None:
+    # 8 usable pages of 4 tokens. Two requests of 8-token prompts that decode 16 tokens each need 6 pages
+    # apiece eventually; together they outgrow the pool and the newer one must be preempted.
+    config = dict(max_num_seqs=2, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+    driver = Driver(make_scheduler(num_pages=9, **config), 9)
+    sched = driver.scheduler
+    old, new = make_request("old", [1] * 8, max_tokens=16), make_request("new", [2] * 8, max_tokens=16)
+    sched.add_request(old)
+    sched.add_request(new)
+    sched.add_request(make_request("later", [3] * 4, max_tokens=2))
+    while sched.num_preemptions == 0:
+        driver.step()
+    assert sched.stats().num_preemptions == 1
+    assert new.status == RequestStatus.WAITING and new.num_preemptions == 1
+    assert [r.request_id for r in sched.waiting] == ["new", "later"]  # at the front, ahead of "later"
+    assert new.num_computed_tokens == 0 and new.page_ids == []
+    assert old.status == RequestStatus.RUNNING
+    generated_before = list(new.output_token_ids)
+    driver.run()
+    assert driver.finished["new"].output_token_ids[: len(generated_before)] == generated_before
+    assert outputs_of([old, new]) == {"old": old.output_token_ids, "new": new.output_token_ids}
+
+
+def test_preemption_under_pressure_keeps_outputs_identical() -> None:
+    rng = random.Random(0)
+    system = [rng.randrange(1, VOCAB) for _ in range(12)]
+    requests = [make_request(f"r{i}", system + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 20))],
+                             max_tokens=rng.randrange(1, 24)) for i in range(12)]
+    roomy = outputs_of(requests, num_pages=200)
+    tight_driver = Driver(make_scheduler(num_pages=16), 16)
+    for r in requests:
+        tight_driver.scheduler.add_request(make_request(r.request_id, r.prompt_token_ids, r.max_tokens))
+    tight_driver.run()
+    assert tight_driver.scheduler.num_preemptions > 0
+    assert {rid: r.output_token_ids for rid, r in tight_driver.finished.items()} == roomy
+    assert outputs_of(requests, enable_prefix_caching=False, num_pages=16) == roomy
+    assert outputs_of(requests, chunk_size=4, max_num_batched_tokens=8) == roomy
+    assert outputs_of(requests, page_size=8, chunk_size=64, num_pages=40) == roomy
+
+
+def test_the_admission_reservation_for_decode_growth_keeps_preemption_rare() -> None:
+    def preemptions(init_ratio: float, min_ratio: float) -> int:
+        rng = random.Random(0)
+        sched = make_scheduler(num_pages=40, max_num_seqs=16, init_new_token_ratio=init_ratio,
+                               min_new_token_ratio=min_ratio)
+        driver = Driver(sched, 40)
+        for i in range(40):
+            prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(4, 20))]
+            sched.add_request(make_request(f"r{i}", prompt, max_tokens=rng.randrange(8, 40)))
+        driver.run()
+        return sched.num_preemptions
+
+    without_reservation = preemptions(0.0, 0.0)
+    assert without_reservation > 10
+    assert preemptions(0.7, 0.1) * 10 <= without_reservation
+    assert preemptions(1.0, 1.0) == 0  # reserving every future token never preempts
+
+
+def test_longest_prefix_match_policy_prefers_cached_prompts_and_falls_back_to_fcfs() -> None:
+    def admission_order(policy: str, lpm_max_queue: int = 128) -> list[str]:
+        driver = Driver(make_scheduler(max_num_seqs=1, policy=policy, lpm_max_queue=lpm_max_queue), 64)
+        sched = driver.scheduler
+        sched.add_request(make_request("warm", [5] * 16, max_tokens=1))
+        driver.run()
+        sched.add_request(make_request("cold", [6] * 16, max_tokens=1))
+        sched.add_request(make_request("hot", [5] * 16 + [1], max_tokens=1))
+        order = []
+        while sched.has_work():
+            batch = driver.step()
+            order += [r.request_id for r in batch.requests if r.request_id not in order]
+        return order
+
+    assert admission_order("fcfs") == ["cold", "hot"]
+    assert admission_order("lpm") == ["hot", "cold"]
+    assert admission_order("lpm", lpm_max_queue=1) == ["cold", "hot"]
+
+
+def test_token_level_stop_conditions() -> None:
+    req = make_request("r", [1, 2], max_tokens=3)
+    req.eos_token_id = 9
+    req.sampling_params = SamplingParams(max_tokens=3, stop_token_ids=[7])
+    assert check_token_stop(req) is None
+    req.output_token_ids = [9]
+    assert check_token_stop(req) == RequestStatus.FINISHED_STOPPED and req.stop_reason is None
+    req.output_token_ids = [7]
+    assert check_token_stop(req) == RequestStatus.FINISHED_STOPPED and req.stop_reason == 7
+    req.output_token_ids = [1, 2, 3]
+    assert check_token_stop(req) == RequestStatus.FINISHED_LENGTH
+    req.sampling_params = SamplingParams(max_tokens=3, ignore_eos=True)
+    req.output_token_ids = [9]
+    assert check_token_stop(req) is None
+    assert check_token_stop(req, max_model_len=3) == RequestStatus.FINISHED_LENGTH
+
+
+# ---- properties -------------------------------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1),
+       page_size=st.sampled_from([1, 2, 4, 8]),
+       num_pages=st.integers(12, 80),
+       max_num_seqs=st.integers(1, 8),
+       chunk_pages=st.integers(1, 6),
+       budget_extra=st.integers(0, 40),
+       caching=st.booleans(),
+       policy=st.sampled_from(["fcfs", "lpm"]))
+def test_random_workloads_respect_budgets_and_leak_nothing(seed: int, page_size: int, num_pages: int,
+                                                           max_num_seqs: int, chunk_pages: int,
+                                                           budget_extra: int, caching: bool,
+                                                           policy: str) -> None:
+    """Random submit / abort / finish with random shared prefixes: every step checked, nothing lost."""
+    rng = random.Random(seed)
+    chunk = chunk_pages * page_size
+    sched = make_scheduler(num_pages, page_size=page_size, chunk_size=chunk, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=page_size + budget_extra, enable_prefix_caching=caching,
+                           policy=policy, max_model_len=200)
+    driver = Driver(sched, num_pages)
+    capacity = (num_pages - 1) * page_size
+    prefixes = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 30))] for _ in range(3)]
+    submitted, aborted = 0, 0
+    for step in range(120):
+        if rng.random() < 0.4:
+            prompt = rng.choice(prefixes)[: rng.randrange(1, 30)] + [rng.randrange(1, VOCAB)
+                                                                      for _ in range(rng.randrange(0, 12))]
+            max_tokens = rng.randrange(1, 16)
+            req = make_request(f"r{step}", prompt, max_tokens, salt=rng.choice([None, None, "s"]))
+            if len(prompt) + max_tokens - 1 > capacity:
+                with pytest.raises(ValueError):
+                    sched.add_request(req)
+            else:
+                sched.add_request(req)
+                submitted += 1
+        if sched.requests and rng.random() < 0.1:
+            aborted += sched.abort_request(rng.choice(sorted(sched.requests)))
+            sched.integrity_check()
+        driver.step()
+    driver.run()
+    assert len(driver.finished) + aborted == submitted
+    assert sched.kv.usage() == 0.0 and sched.kv.num_free_pages == num_pages - 1
+    sched.integrity_check()
+
+
+def test_thousands_of_requests_with_shared_prefixes_leak_no_page() -> None:
+    rng = random.Random(1234)
+    num_pages = 48
+    sched = make_scheduler(num_pages, max_num_seqs=16, max_num_batched_tokens=48, chunk_size=16)
+    driver = Driver(sched, num_pages)
+    prefixes = [[rng.randrange(1, VOCAB) for _ in range(24)] for _ in range(6)]
+    aborted = 0
+    for i in range(2000):
+        prompt = rng.choice(prefixes)[: rng.randrange(1, 25)] + [rng.randrange(1, VOCAB)
+                                                                 for _ in range(rng.randrange(0, 8))]
+        sched.add_request(make_request(f"r{i}", prompt, max_tokens=rng.randrange(1, 12)))
+        if rng.random() < 0.05:
+            aborted += sched.abort_request(f"r{rng.randrange(0, i + 1)}")
+        if i % 2:
+            driver.step()
+    driver.run()
+    assert len(driver.finished) + aborted == 2000
+    assert sched.kv.num_hit_tokens > 0 and sched.kv.num_evicted_pages > 0
+    assert sched.kv.usage() == 0.0
+    sched.integrity_check()
