@@ -1,0 +1,92 @@
+"""Head-to-head on this CPU: jaxserve vs HF transformers (torch) on the same random-weight Llama.
+
+Measures, for the `small` preset (or --model): one request end to end (prefill + decode), and decode step time
+at several concurrencies. HF runs `generate` with static batches (greedy, KV cache on); jaxserve runs
+`LLM.generate` with the same prompts. Prints a table and writes JSON.
+
+    python scripts/bench_vs_hf.py --out reports/bench_vs_hf.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+
+def hf_model(spec, threads: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.set_num_threads(threads)
+    cfg = LlamaConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                      intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+                      num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+                      head_dim=spec.head_dim, max_position_embeddings=spec.max_position_embeddings,
+                      rms_norm_eps=spec.rms_norm_eps, rope_theta=spec.rope_theta,
+                      tie_word_embeddings=spec.tie_word_embeddings)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def hf_run(model, prompts: list[list[int]], new_tokens: int) -> float:
+    import torch
+
+    ids = torch.tensor(prompts)
+    with torch.inference_mode():
+        t = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--batches", default="1,4,16,64")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    from jaxserve import LLM, SamplingParams
+    from planner.model_spec import load_model_spec
+
+    spec = load_model_spec(args.model)
+    batches = [int(b) for b in args.batches.split(",")]
+    rng = np.random.default_rng(0)
+    rows = []
+    llm = LLM(model=args.model, max_num_seqs=max(batches), max_num_batched_tokens=2048, chunk_size=512)
+    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    hf = None if args.skip_hf else hf_model(spec, args.threads)
+    for b in batches:
+        prompts = [rng.integers(0, 256, args.prompt_len).tolist() for _ in range(b)]
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # same shapes, warm
+        llm.engine.kv_manager.reset_prefix_cache()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        wall = time.perf_counter() - t
+        tpot = float(np.mean([o.metrics.tpot for o in outs]))
+        row = {"batch": b, "jaxserve_e2e_s": wall, "jaxserve_tpot_ms": tpot * 1e3,
+               "jaxserve_tokens_per_s": b * args.new_tokens / wall,
+               "jaxserve_ttft_ms": float(np.mean([o.metrics.ttft for o in outs])) * 1e3}
+        if hf is not None:
+            hf_run(hf, prompts, 2)  # warm
+            e2e = hf_run(hf, prompts, args.new_tokens)
+            prefill = hf_run(hf, prompts, 1)
+            row.update(hf_e2e_s=e2e, hf_tpot_ms=(e2e - prefill) / (args.new_tokens - 1) * 1e3,
+                       hf_tokens_per_s=b * args.new_tokens / e2e, speedup_e2e=e2e / wall)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"model": args.model, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                       "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
