@@ -1,11 +1,12 @@
 """Continuous batching with chunked prefill, prefix-cache admission and preemption by recompute.
 
 Every request owes tokens: a decode owes one, a prompt being prefilled owes the rest of its prompt (sent in
-page-aligned chunks of at most `chunk_size`). Each `schedule()` call fills one step under the token budget
-(`max_num_batched_tokens`) and `max_num_seqs`: running decodes first, then running prefill chunks, then
-waiting requests, oldest first (or longest cached prefix first with policy "lpm"). When pages run out, the
-most recently admitted running request is preempted: its computed pages go to the prefix cache, it forgets its
-progress and goes back to the front of the queue, to be recomputed (cheaply, from the cache) later.
+chunks of at most `chunk_size` that end on page boundaries, so each chunk completes whole pages for the
+cache). Each `schedule()` call fills one step under the token budget (`max_num_batched_tokens`) and
+`max_num_seqs`: running decodes first, then running prefill chunks, then waiting requests, oldest first (or
+longest cached prefix first with policy "lpm"). When pages run out, the most recently admitted running request
+is preempted: its computed pages go to the prefix cache, it forgets its progress and goes back to the front of
+the queue, to be recomputed (cheaply, from the cache) later.
 
 Admission keeps room for decode growth (SGLang's new-token ratio): a waiting request is admitted only if the
 free pages cover its own prompt and a `new_token_ratio` share of the outputs still to come for it and for every
@@ -48,11 +49,6 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "page_size", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.chunk_size < self.page_size:
-            raise ValueError(f"chunk_size ({self.chunk_size}) must be at least page_size ({self.page_size})")
-        if self.max_num_batched_tokens < self.page_size:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
-                             f"page_size ({self.page_size})")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if not 0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
@@ -195,7 +191,11 @@ class Scheduler:
         return build_ragged_batch(decodes + prefills, len(decodes), self.config.page_size)
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        """Tokens `req` computes this step: all it owes, or a chunk ending on a page boundary."""
+        """Tokens `req` computes this step: all it owes, or a chunk ending on a page boundary.
+
+        When not even the rest of one page fits (budget remainder, or chunk_size < page_size), the chunk is
+        what fits, so a prefill always progresses; the next chunk then realigns to a page boundary.
+        """
         start = req.num_computed_tokens
         owed = req.num_tokens - start
         n = min(owed, self.config.chunk_size, budget)
@@ -204,8 +204,6 @@ class Scheduler:
             aligned = (start + n) // ps * ps - start
             if aligned > 0:
                 n = aligned
-            elif start % ps == 0:
-                n = 0  # not even one full page fits in the budget left
         return max(n, 0)
 
     def _admit_waiting(self, budget: int, scheduled: dict[str, tuple[Request, int]]) -> int:
