@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 
@@ -38,8 +39,21 @@ def resolve_dtype(dtype: str | jnp.dtype = "auto", platform: str | None = None) 
     return jnp.dtype(aliases.get(dtype, dtype) if isinstance(dtype, str) else dtype)
 
 
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype: jnp.dtype) -> jax.Array:
-    return (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
+def _normals(key: jax.Array, shapes_stds: tuple[tuple[tuple[int, ...], float], ...],
+             dtype: jnp.dtype) -> list[jax.Array]:
+    """Seeded normal arrays for (shape, std) pairs.
+
+    Drawn on the host with numpy, seeded from the key's data: no XLA compile (threefry kernels take seconds
+    to compile per shape on CPU) and the same values on every platform. Under a trace (e.g. `nnx.eval_shape`)
+    the key is abstract and jax.random stands in.
+    """
+    if isinstance(key, jax.core.Tracer):
+        keys = jax.random.split(key, len(shapes_stds))
+        return [(jax.random.normal(k, shape, jnp.float32) * std).astype(dtype)
+                for k, (shape, std) in zip(keys, shapes_stds, strict=True)]
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
+    return [jnp.asarray((rng.standard_normal(shape, dtype=np.float32) * np.float32(std)), dtype=dtype)
+            for shape, std in shapes_stds]
 
 
 class RMSNorm(nnx.Module):
@@ -63,10 +77,13 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
         self.group = h // kvh
         hidden = spec.hidden_size
-        self.qkv = nnx.Param(_normal(rngs, (hidden, kvh, self.group + 2, d), hidden**-0.5, dtype))
-        self.qkv_bias = (nnx.Param(_normal(rngs, (kvh, self.group + 2, d), 0.02, dtype))
-                         if spec.qkv_bias else None)
-        self.o = nnx.Param(_normal(rngs, (h * d, hidden), (h * d) ** -0.5, dtype))
+        shapes = (((hidden, kvh, self.group + 2, d), hidden**-0.5), ((h * d, hidden), (h * d) ** -0.5))
+        if spec.qkv_bias:
+            shapes += (((kvh, self.group + 2, d), 0.02),)
+        qkv, o, *bias = _normals(rngs.params(), shapes, dtype)
+        self.qkv = nnx.Param(qkv)
+        self.qkv_bias = nnx.Param(bias[0]) if bias else None
+        self.o = nnx.Param(o)
         self.scale = d**-0.5
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv: tuple[jax.Array, jax.Array],
@@ -89,8 +106,10 @@ class MLP(nnx.Module):
 
     def __init__(self, spec: ModelSpec, dtype: jnp.dtype, rngs: nnx.Rngs):
         hidden, inter = spec.hidden_size, spec.intermediate_size
-        self.gate_up = nnx.Param(_normal(rngs, (hidden, 2, inter), hidden**-0.5, dtype))
-        self.down = nnx.Param(_normal(rngs, (inter, hidden), inter**-0.5, dtype))
+        gate_up, down = _normals(rngs.params(), (((hidden, 2, inter), hidden**-0.5),
+                                                 ((inter, hidden), inter**-0.5)), dtype)
+        self.gate_up = nnx.Param(gate_up)
+        self.down = nnx.Param(down)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.gate_up[...]
@@ -127,12 +146,14 @@ class LlamaForCausalLM(nnx.Module):
         self.dtype = dtype
         # Embedding rows of norm ~1 keep the residual stream sane; tied heads then give logits of std ~1.
         std = spec.hidden_size**-0.5 if spec.tie_word_embeddings else 1.0
-        self.embed = nnx.Param(_normal(rngs, (spec.vocab_size, spec.hidden_size), std, dtype))
+        shapes = [((spec.vocab_size, spec.hidden_size), std)]
+        if not spec.tie_word_embeddings:
+            shapes.append(((spec.hidden_size, spec.vocab_size), spec.hidden_size**-0.5))
+        embed, *head = _normals(rngs.params(), tuple(shapes), dtype)
+        self.embed = nnx.Param(embed)
         self.layers = nnx.List([DecoderLayer(spec, dtype, rngs) for _ in range(spec.num_layers)])
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        self.lm_head = (None if spec.tie_word_embeddings else
-                        nnx.Param(_normal(rngs, (spec.hidden_size, spec.vocab_size), spec.hidden_size**-0.5,
-                                          dtype)))
+        self.lm_head = nnx.Param(head[0]) if head else None
         # Static (hashable) so the graph definition carries it, not the parameter state.
         inv_freq = rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
         self.inv_freq = tuple(float(f) for f in inv_freq)
