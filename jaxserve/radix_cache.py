@@ -64,6 +64,9 @@ class RadixCache:
         self.page_size = page_size
         self._roots: dict[str, RadixNode] = {DEFAULT_SALT: RadixNode((), -1, None, DEFAULT_SALT)}
         self._leaves: set[RadixNode] = set()  # non-root nodes without children
+        # eviction candidates by (last_access, tie); entries go stale and are skipped when popped
+        self._heap: list[tuple[int, int, RadixNode]] = []
+        self._tie = itertools.count()
         self._clock = 0
         self.num_pages = 0  # pages held by the tree
         self.num_locked = 0  # of those, pages with lock_ref > 0
@@ -109,6 +112,8 @@ class RadixCache:
             if touch:
                 node.last_access = self._clock
             pages.append(node.page_id)
+        if touch:
+            self._offer(node)
         return MatchResult(pages, node)
 
     # ---- updates -------------------------------------------------------------------------------------
@@ -139,6 +144,7 @@ class RadixCache:
             node = child
             node.last_access = self._clock
             path.append(node.page_id)
+        self._offer(node)
         return InsertResult(path, node, duplicates)
 
     def lock(self, node: RadixNode) -> None:
@@ -151,6 +157,7 @@ class RadixCache:
 
     def unlock(self, node: RadixNode) -> None:
         """Release one lock taken with `lock(node)`."""
+        start = node
         while not node.is_root:
             if node.lock_ref <= 0:
                 raise RuntimeError(f"unlock of an unlocked node {node}")
@@ -158,19 +165,28 @@ class RadixCache:
             if node.lock_ref == 0:
                 self.num_locked -= 1
             node = node.parent  # type: ignore[assignment]
+        self._offer(start)
+
+    def _offer(self, node: RadixNode) -> None:
+        """Queue `node` as an eviction candidate if it is an unlocked leaf (only the deepest node of a path
+        touched, unlocked or bared by an eviction can have become one)."""
+        if node.is_root or node.children or node.lock_ref:
+            return
+        heapq.heappush(self._heap, (node.last_access, next(self._tie), node))
+        if len(self._heap) > 2 * len(self._leaves) + 1024:  # mostly stale: rebuild from the leaves
+            self._heap = [(n.last_access, next(self._tie), n) for n in self._leaves if n.lock_ref == 0]
+            heapq.heapify(self._heap)
 
     def evict(self, num_pages: int) -> list[int]:
         """Remove up to `num_pages` unlocked leaves, least recently used first; return their page ids."""
         if num_pages <= 0:
             return []
-        tie = itertools.count()
-        heap = [(n.last_access, next(tie), n) for n in self._leaves if n.lock_ref == 0]
-        heapq.heapify(heap)
         freed: list[int] = []
-        while heap and len(freed) < num_pages:
-            _, _, node = heapq.heappop(heap)
+        while self._heap and len(freed) < num_pages:
+            access, _, node = heapq.heappop(self._heap)
             parent = node.parent
-            assert parent is not None
+            if parent is None or node.children or node.lock_ref or node.last_access != access:
+                continue  # stale entry: evicted, grown, locked or touched since it was queued
             del parent.children[node.key]
             self._leaves.discard(node)
             self.num_pages -= 1
@@ -183,8 +199,7 @@ class RadixCache:
                     del self._roots[parent.salt]
                 continue
             self._leaves.add(parent)
-            if parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, next(tie), parent))
+            self._offer(parent)
         self.num_evicted += len(freed)
         return freed
 
@@ -212,6 +227,8 @@ class RadixCache:
         assert all(p > 0 for p in pages), "the tree holds page 0 or a root id"
         assert sum(n.lock_ref > 0 for n in nodes) == self.num_locked, "locked-page counter is off"
         assert {n for n in nodes if not n.children} == self._leaves, "leaf set is off"
+        queued = {id(n) for access, _, n in self._heap if n.last_access == access}
+        assert all(id(n) in queued for n in self._leaves if n.lock_ref == 0), "an evictable leaf is not queued"
         for n in nodes:
             assert n.parent is not None and n.parent.children.get(n.key) is n, f"{n} is detached"
             assert len(n.key) == self.page_size, f"{n} key is not one full page"

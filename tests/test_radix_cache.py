@@ -187,5 +187,5 @@ class RadixModel(RuleBasedStateMachine):
             assert salt in ("", "x") and v[2] >= 0
 
 
-RadixModel.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+RadixModel.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
 test_radix_cache_matches_reference_model = RadixModel.TestCase
