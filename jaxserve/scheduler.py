@@ -209,6 +209,8 @@ class Scheduler:
     def _admit_waiting(self, budget: int, scheduled: dict[str, tuple[Request, int]]) -> int:
         """Move waiting requests to running while budgets, pages and the growth reservation allow."""
         cfg = self.config
+        if budget <= 0 or not self.waiting or len(self.running) >= cfg.max_num_seqs:
+            return budget
         reserved = sum(self._growth_pages(r) for r in self.running)
         for req in self._waiting_order():
             if budget <= 0 or len(self.running) >= cfg.max_num_seqs:

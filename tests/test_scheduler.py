@@ -136,12 +136,19 @@ def test_one_step_mixes_decodes_and_prefill_chunks_decodes_first() -> None:
 
 def test_prompt_is_prefilled_in_page_aligned_chunks_within_the_token_budget() -> None:
     driver = Driver(make_scheduler(max_num_batched_tokens=30, chunk_size=24), 64)
-    driver.scheduler.add_request(make_request("a", list(range(1, 61))))
+    req = make_request("a", list(range(1, 61)))
+    driver.scheduler.add_request(req)
+    tree = driver.scheduler.kv.tree
     chunks = []
     while True:
         batch = driver.step()
         assert batch is not None
         chunks.append(batch.num_tokens)
+        # each chunk extends the request's own cached path, page by page
+        full = req.num_computed_tokens // 4
+        assert tree is not None and tree.match_prefix(req.prompt_token_ids, touch=False).page_ids[:full] == \
+            req.page_ids[:full]
+        assert tree.num_locked == full
         if batch.samples[0]:
             break
     assert chunks == [24, 24, 12]  # 24 = min(chunk, budget) floored to pages; the last chunk finishes
