@@ -66,6 +66,26 @@ def generate(prompt: str, token_ids: bool, max_tokens: int, temperature: float, 
                    f"TTFT {m.ttft * 1e3:.1f} ms{tpot}]", err=True)
 
 
+@cli.command()
+@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.argument("dst", type=click.Path(file_okay=False))
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
+def convert(src: str, dst: str, dtype: str) -> None:
+    """Convert an HF safetensors checkpoint folder SRC into jaxserve's orbax format at DST (faster to load)."""
+    import time
+
+    from jaxserve.model.checkpoint import convert as convert_checkpoint
+    from jaxserve.model.weights import CheckpointError
+    from planner.model_spec import ModelSpecError
+
+    t = time.perf_counter()
+    try:
+        out = convert_checkpoint(src, dst, dtype)
+    except (CheckpointError, ModelSpecError, ValueError) as e:
+        raise click.UsageError(str(e)) from None
+    click.echo(f"converted {src} -> {out} in {time.perf_counter() - t:.1f}s")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run the group, mapping usage errors to one line and exit code 2."""
     try:

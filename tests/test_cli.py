@@ -1,0 +1,47 @@
+"""The runtime's command line: generate streams text, convert makes a faster-loading copy that serves the
+same tokens, and bad input is one line on stderr with exit code 2."""
+
+import subprocess
+import sys
+
+from flax import nnx
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.model.checkpoint import save_hf_checkpoint
+from jaxserve.model.llama import LlamaForCausalLM
+from planner.model_spec import PRESETS
+from tests.conftest import TINY_ENGINE_ARGS
+
+
+def jaxserve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxserve", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_generate_streams_text_and_reports_timing():
+    r = jaxserve("generate", "--model", "tiny", "--prompt", "Hello", "--max-tokens", "6", "--ignore-eos",
+                 "--max-num-batched-tokens", "64", "--max-num-seqs", "4", "--kv-cache-memory", "4MiB")
+    assert r.returncode == 0, r.stderr
+    assert "[6 tokens, finish_reason=length, TTFT" in r.stderr
+
+
+def test_bad_flags_are_one_line_and_exit_2():
+    for args in (["generate", "--model", "no-such-model", "--prompt", "x"],
+                 ["generate", "--prompt", "x", "--kv-cache-memory", "lots"],
+                 ["generate", "--prompt", "x", "--chunk-size", "17"],
+                 ["convert", "/no/such/folder", "/tmp/out"]):
+        r = jaxserve(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error:"), r.stderr
+        assert "Traceback" not in r.stderr
+
+
+def test_converted_checkpoint_serves_the_same_tokens(tmp_path):
+    spec = PRESETS["tiny"]
+    hf = save_hf_checkpoint(LlamaForCausalLM(spec, "float32", rngs=nnx.Rngs(3)), spec, tmp_path / "hf")
+    r = jaxserve("convert", str(hf), str(tmp_path / "converted"))
+    assert r.returncode == 0, r.stderr
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = [[5, 6, 7, 8, 9]]
+    from_hf = LLM(model=str(hf), **TINY_ENGINE_ARGS).generate(prompt, greedy)[0].token_ids
+    from_converted = LLM(model=str(tmp_path / "converted"), **TINY_ENGINE_ARGS).generate(prompt, greedy)[0].token_ids
+    assert from_hf == from_converted and len(from_hf) == 8
