@@ -52,6 +52,17 @@ def scrape(url: str) -> dict[str, float]:
     return values
 
 
+def sample(url: str, name: str, **labels: str) -> float:
+    """One labelled sample from /metrics (model_name aside), 0 when absent."""
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*)\{([^}]*)\} (\S+)$", line)
+        if m and m.group(1) == name:
+            got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+            if all(got.get(k) == v for k, v in labels.items()):
+                return float(m.group(3))
+    return 0.0
+
+
 def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -19,7 +19,7 @@ from server_helpers import free_port
 ROOT = Path(__file__).resolve().parents[1]
 # The same engine shape as test_server_openai's, so the persistent compilation cache serves both.
 SMALL_ENGINE = ["--max-num-seqs", "64", "--max-num-batched-tokens", "256", "--chunk-size", "64",
-                "--kv-cache-memory", "16MiB", "--max-model-len", "512"]
+                "--kv-cache-memory", "16MiB", "--max-model-len", "2048"]
 
 
 def _launch(*args: str) -> subprocess.Popen:
@@ -71,7 +71,7 @@ def test_signal_with_requests_in_flight_exits_0_within_5s(sig: signal.Signals) -
         ended: list[bool] = []
 
         def stream() -> None:
-            body = {"prompt": "keep going", "max_tokens": 480, "ignore_eos": True, "stream": True}
+            body = {"prompt": "keep going", "max_tokens": 2000, "ignore_eos": True, "stream": True}
             try:
                 with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
                     it = r.iter_lines()

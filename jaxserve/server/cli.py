@@ -32,7 +32,8 @@ def serve(host: str, port: int, served_model_name: str | None, log_interval: flo
           **options: Any) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (with no --model: the synthetic preset)."""
     config = config_from_options(options, served_model_name=served_model_name)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jaxserve").setLevel(logging.INFO)
 
     import uvicorn
 

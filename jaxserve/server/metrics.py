@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -65,6 +65,7 @@ class ServerMetrics:
     """All server metrics in one registry; `on_step` / `on_request_finished` make it an engine observer."""
 
     def __init__(self, engine: Any, model_name: str) -> None:
+        disable_created_metrics()  # no `*_created` series, as vLLM
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineStateCollector(engine, model_name))

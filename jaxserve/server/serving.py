@@ -151,6 +151,8 @@ class Generator:
                 if err is not None:
                     if isinstance(err, ValueError):
                         raise APIError(400, str(err), None)
+                    if type(err).__name__ == "EngineDeadError":
+                        raise APIError(503, str(err), type_="service_unavailable")
                     raise err
                 if out is None:
                     remaining -= 1
