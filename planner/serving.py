@@ -217,17 +217,20 @@ def _solve(m: _Model, lam: float, seen: float = 1.0, slot_wait: bool = True) -> 
     """Fixed point at rate `lam` per replica; `seen` scales the queueing an arrival sees (closed loop)."""
     out = m.wl.output_len
     pts = m.input_points()
+    pts_l = [float(i) for i in pts]
 
     def step(tau: float) -> tuple[float, float]:
         b = min(lam * max(out - 1, 0) * tau, m.slots)
-        mean_delta = float(np.mean([m.prefill(b, i)[0] for i in pts]))
+        mean_delta = sum(m.prefill(b, i)[0] for i in pts_l) / len(pts_l)
         denom = 1 - lam * seen * mean_delta
-        return (m.t_dec(b) / denom if denom > 0 else math.inf), b
+        # A decoding request sees itself plus the others: for a Poisson-like batch the token-weighted
+        # batch is E[B^2] / E[B] = B + 1 (closed loop: scaled by the arrival theorem).
+        return (m.t_dec(min(b + seen, m.slots)) / denom if denom > 0 else math.inf), b
 
     lo, hi = m.t_dec(1) * 0.5, m.t_dec(m.slots) / max(1e-9, 1 - lam * m.prefill(m.slots, pts.max())[0]) * 4 + 1
     if not math.isfinite(hi) or step(hi)[0] > hi:
         return _State(stable=False)
-    for _ in range(60):
+    for _ in range(32):
         mid = 0.5 * (lo + hi)
         if step(mid)[0] > mid:
             lo = mid
@@ -235,7 +238,7 @@ def _solve(m: _Model, lam: float, seen: float = 1.0, slot_wait: bool = True) -> 
             hi = mid
     tau = hi
     _, b = step(tau)
-    t_d = m.t_dec(b)
+    t_d = m.t_dec(min(b + seen, m.slots))
     c = m.budget(b)
     s_samples, own_samples, n_lone = [], [], []
     b_seen = b * seen  # decodes running when a request arrives (closed loop: the others' only)
@@ -257,7 +260,7 @@ def _solve(m: _Model, lam: float, seen: float = 1.0, slot_wait: bool = True) -> 
     # Residual at arrival: of a lone prefill in service (it keeps the server until done, FCFS) or of a
     # decode-only step; then the queued prefill work ahead, packed into full chunks: W = R / (1 - rho).
     lone = np.array(own_samples)
-    u = min(1.0, lam * float(lone.mean()))
+    u = min(1.0, (rho + lam * float(lone.mean())) / 2)
     resid = seen * (u * float(np.mean(lone**2)) / (2 * float(lone.mean())) + (1 - u) * t_d / 2)
     wait = resid / (1 - rho * seen)
     queue = wait - resid
@@ -306,7 +309,7 @@ def max_rate(m: _Model) -> float:
     lo, hi = 0.0, 1.0
     while _solve(m, hi).stable and hi < 1e7:
         lo, hi = hi, hi * 2
-    for _ in range(40):
+    for _ in range(24):
         mid = 0.5 * (lo + hi)
         if _solve(m, mid).stable:
             lo = mid
@@ -315,14 +318,13 @@ def max_rate(m: _Model) -> float:
     return lo
 
 
-def _closed_loop(m: _Model, clients: float) -> tuple[float, _State]:
+def _closed_loop(m: _Model, clients: float, cap: float) -> tuple[float, _State]:
     """Throughput per replica and state for `clients` closed-loop clients (no think time)."""
     in_service = min(clients, m.slots)
     seen = max(0.0, (clients - 1) / clients)
-    cap = max_rate(m)
     lo, hi = 0.0, cap
     st = _State(stable=False)
-    for _ in range(50):
+    for _ in range(30):
         mid = 0.5 * (lo + hi)
         s = _solve(m, mid, seen=seen, slot_wait=False)
         if s.stable and mid * s.service < in_service:
@@ -380,7 +382,7 @@ def predict_serving(spec: ModelSpec, hw: Hardware, workload: Workload, config: S
     cap = max_rate(m)
     r = config.replicas
     if workload.concurrency is not None:
-        lam, st = _closed_loop(m, workload.concurrency / r)
+        lam, st = _closed_loop(m, workload.concurrency / r, cap)
     else:
         lam = (workload.request_rate if workload.request_rate is not None else cap * 0.5 * r) / r
         st = _solve(m, lam)

@@ -87,7 +87,7 @@ class OpCost:
     comm_bytes: float = 0.0  # payload of collectives (all-reduce, all-gather)
     collectives: int = 0  # number of collectives
     count: int = 1  # layers this op repeats over
-    gemm_rows: int = 0  # M of the matmul (0: not a GEMM, e.g. attention)
+    gemm_rows: float = 0  # M of the matmul (0: not a GEMM, e.g. attention)
     allgather: bool = False
 
 
@@ -157,7 +157,7 @@ def op_costs(spec: ModelSpec, shape: StepShape, *, tp: int = 1, dtype: str = "bf
         distinct = expected_experts(E, k, T)
         ops.append(OpCost("router", flops=2 * T * h * E, weight_bytes=h * E * bw, act_bytes=T * (h + E) * 4,
                           count=spec.num_moe_layers, gemm_rows=T))
-        rows = max(1, round(T * k / max(distinct, 1e-9)))  # tokens per touched expert: the GEMM's M
+        rows = max(1.0, T * k / max(distinct, 1e-9))  # tokens per touched expert: the GEMM's M
         ops.append(OpCost("experts", flops=2 * T * (k + sh) * 3 * h * mi, weight_bytes=(distinct + sh) * 3 * h * mi * bw,
                           act_bytes=T * (k + sh) * (2 * h + 4 * mi) * ba, count=spec.num_moe_layers, gemm_rows=rows))
     ops.append(OpCost("allreduce_mlp", comm_bytes=T * h * ba * ar, collectives=ar, count=L))
@@ -165,7 +165,8 @@ def op_costs(spec: ModelSpec, shape: StepShape, *, tp: int = 1, dtype: str = "bf
     ops.append(OpCost("embedding", weight_bytes=min(T, spec.vocab_size) * h * bw / tp, act_bytes=T * h * ba,
                       comm_bytes=T * h * ba * ar, collectives=ar))
     V = spec.vocab_size
-    ops.append(OpCost("lm_head", flops=2 * S * h * V / tp, weight_bytes=h * V * bw / tp, act_bytes=S * (h + V / tp) * 4,
+    ops.append(OpCost("lm_head", flops=2 * S * h * V / tp, weight_bytes=h * V * bw / tp + h * bw,  # + final norm
+                      act_bytes=S * (h + V / tp) * 4,
                       comm_bytes=S * V * 4 * ar, collectives=ar, gemm_rows=S, allgather=True))
     ops.append(OpCost("sampling", flops=8 * S * V, act_bytes=3 * S * V * 4))
     return ops
