@@ -154,6 +154,11 @@ def test_logprobs(client) -> None:
     (b'{"prompt": "hi", "frequency_penalty": 0.5}', 400, "frequency_penalty"),
     (b'{"prompt": "hi", "mystery_knob": 1}', 400, "mystery_knob"),
     (b'{"prompt": [1, 2, 100000]}', 400, "prompt"),
+    (b'{"prompt": []}', 400, "prompt"),
+    (b'{"prompt": "hi", "temperature": NaN}', 400, None),
+    (b'{"prompt": "hi", "logprobs": 21}', 400, "logprobs"),
+    (b'{"prompt": "hi", "stream": true, "stream_options": {"continuous_usage_stats": true}}', 400,
+     "stream_options.continuous_usage_stats"),
     (b'{"prompt": "hi", "model": "gpt-4"}', 404, "model"),
 ])
 def test_bad_completion_requests(server, body: bytes, status: int, param: str | None) -> None:

@@ -49,6 +49,11 @@ class _SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()  # type: ignore[union-attr]
 
 
+def _reject_constant(name: str) -> None:
+    """NaN and Infinity are not JSON."""
+    raise ValueError(f"{name} is not valid JSON")
+
+
 def _param_path(loc: tuple[Any, ...]) -> str | None:
     """`messages[0].content` from a pydantic error location, dropping union-member tags."""
     path = ""
@@ -128,8 +133,8 @@ def build_app(engine: Any, log_interval: float = 10.0) -> FastAPI:
         """Read and validate a JSON body; any problem is a 400 (404 for another model's name)."""
         body = await request.body()
         try:
-            obj = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            obj = json.loads(body, parse_constant=_reject_constant)
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
             raise APIError(400, f"Malformed JSON body: {e}", None, "invalid_json") from None
         if not isinstance(obj, dict):
             raise APIError(400, "The request body must be a JSON object", None, "invalid_type")

@@ -120,7 +120,7 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(p, str):
             return [p]
         if not p:
-            raise UnsupportedValue("prompt", "prompt must not be empty")
+            raise UnsupportedValue("prompt", "prompt must not be empty", "invalid_value")
         if isinstance(p[0], int):
             return [p]  # type: ignore[list-item]
         return list(p)  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxserve.engine import context_length_error
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.protocol import (
@@ -31,6 +32,7 @@ from jaxserve.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     TopLogprob,
+    UnsupportedValue,
     Usage,
 )
 
@@ -81,24 +83,23 @@ class Generator:
     def _token_ids(self, prompt: str | list[int], param: str, add_special_tokens: bool) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise APIError(400, "This model has no tokenizer; send the prompt as token ids", param)
+                raise APIError(400, "This model has no tokenizer; send the prompt as token ids", param, "invalid_value")
             ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         else:
             ids = list(prompt)
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise APIError(400, f"Token id {bad[0]} is out of vocabulary (size {self.vocab_size})", param)
+                raise APIError(400, f"Token id {bad[0]} is out of vocabulary (size {self.vocab_size})", param,
+                               "invalid_value")
         if not ids:
-            raise APIError(400, "The prompt is empty", param)
+            raise APIError(400, "The prompt is empty", param, "invalid_value")
         return ids
 
     def _max_tokens(self, num_prompt: int, requested: int | None, param: str) -> int:
         budget = requested if requested is not None else self.max_model_len - num_prompt
         if budget < 1 or num_prompt + budget > self.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                           f"you requested {num_prompt + max(budget, 0)} tokens ({num_prompt} in the messages, "
-                           f"{max(budget, 0)} in the completion). Please reduce the length of the messages or "
-                           "completion.", param, "context_length_exceeded")
+            raise APIError(400, context_length_error(self.max_model_len, num_prompt, max(budget, 0)), param,
+                           "context_length_exceeded")
         return budget
 
     def _subs(self, req_id: str, prompts: list[list[int]], req: CompletionRequest | ChatCompletionRequest,
@@ -111,13 +112,17 @@ class Generator:
                 try:
                     params = req.sampling_params(max_tokens, logprobs, seed)
                 except ValueError as e:
-                    raise APIError(400, str(e), str(e).split(" ")[0]) from None
+                    raise APIError(400, str(e), str(e).split(" ")[0], "invalid_value") from None
                 k = p * req.n + i
                 subs.append(_Sub(k, p, f"{req_id}-{k}", ids, params))
         return subs
 
     def completion_subs(self, req_id: str, req: CompletionRequest) -> list[_Sub]:
-        prompts = [self._token_ids(p, "prompt", True) for p in req.prompts()]
+        try:
+            raw = req.prompts()
+        except UnsupportedValue as e:
+            raise APIError(400, str(e), e.param, e.code) from None
+        prompts = [self._token_ids(p, "prompt", True) for p in raw]
         return self._subs(req_id, prompts, req, 16, req.logprobs, "prompt")
 
     def chat_subs(self, req_id: str, req: ChatCompletionRequest) -> list[_Sub]:
@@ -150,7 +155,7 @@ class Generator:
                 sub, out, err = await queue.get()
                 if err is not None:
                     if isinstance(err, ValueError):
-                        raise APIError(400, str(err), None)
+                        raise APIError(400, str(err), None, "invalid_value")
                     if type(err).__name__ == "EngineDeadError":
                         raise APIError(503, str(err), type_="service_unavailable")
                     raise err
