@@ -71,7 +71,8 @@ def dense_reference(q, k_cache, v_cache, m, scale):
 
 @functools.cache
 def attention_fn(kv_block: int, q_block: int):
-    return jax.jit(functools.partial(paged_attention, scale=D**-0.5, kv_block=kv_block, q_block=q_block))
+    return jax.jit(functools.partial(paged_attention, scale=D**-0.5, kv_block=kv_block, q_block=q_block,
+                                     decode_kv_block=kv_block))
 
 
 def check(rng, heads, kv_heads, decode_ctx, prefill, kv_block=8, q_block=8):

@@ -11,6 +11,8 @@ over later.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -20,6 +22,7 @@ from jaxserve.model.metadata import AttentionMetadata
 # KV tokens per inner block (rounded to whole pages) and query rows per prefill block.
 DEFAULT_KV_BLOCK = 256
 DEFAULT_Q_BLOCK = 128
+DEFAULT_DECODE_KV_BLOCK = 512
 
 
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
@@ -36,12 +39,14 @@ def _gather_block(cache: jax.Array, page_row: jax.Array, first_page: jax.Array,
                   block_pages: int) -> jax.Array:
     """KV of `block_pages` pages of one sequence as [block_pages * page_size, kv_heads, head_dim]."""
     pages = lax.dynamic_slice_in_dim(page_row, first_page, block_pages)
-    blk = cache[pages]
+    # Gathering whole flattened pages (rows of page_size * kv_heads * head_dim) is faster on XLA:CPU than
+    # gathering 4-D slices.
+    blk = cache.reshape(cache.shape[0], -1)[pages]
     return blk.reshape(-1, *cache.shape[2:])
 
 
-def _online_update(carry: tuple, s: jax.Array, mask: jax.Array, vb: jax.Array, pv_eq: str) -> tuple:
-    """One online-softmax step. s [..., Q, K] float32 scores; mask like s; vb the block's values."""
+def _online_update(carry: tuple, s: jax.Array, mask: jax.Array, pv: Callable[[jax.Array], jax.Array]) -> tuple:
+    """One online-softmax step. s [..., K] float32 scores; mask broadcastable to s; pv(p) = p @ V."""
     m, den, acc = carry
     s = jnp.where(mask, s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -49,7 +54,7 @@ def _online_update(carry: tuple, s: jax.Array, mask: jax.Array, vb: jax.Array, p
     p = jnp.exp(s - m_safe[..., None])
     alpha = jnp.exp(m - m_safe)
     den = den * alpha + jnp.sum(p, axis=-1)
-    acc = acc * alpha[..., None] + jnp.einsum(pv_eq, p, vb.astype(jnp.float32))
+    acc = acc * alpha[..., None] + pv(p)
     return m_new, den, acc
 
 
@@ -68,9 +73,13 @@ def _decode_one(q1: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_row:
     def body(b: jax.Array, carry: tuple) -> tuple:
         kb = _gather_block(k_cache, page_row, b * block_pages, block_pages)  # [B, kvh, d]
         vb = _gather_block(v_cache, page_row, b * block_pages, block_pages)
-        s = jnp.einsum("kgd,tkd->kgt", qf, kb.astype(jnp.float32))
+        # Multiply-and-reduce rather than einsum: XLA fuses the gather into one pass over K (and V) instead of
+        # small batched dots with transposes (measured 1.5x faster on CPU at 1k context).
+        s = jnp.moveaxis(jnp.sum(kb.astype(jnp.float32)[:, :, None, :] * qf[None], axis=-1), 0, -1)
         mask = (b * block + jnp.arange(block) < kv_len)[None, None, :]
-        return _online_update(carry, s, mask, vb, "kgt,tkd->kgd")
+        vf = vb.astype(jnp.float32)
+        return _online_update(carry, s, mask, lambda p: jnp.sum(jnp.moveaxis(p, -1, 0)[..., None] * vf[:, :, None],
+                                                               axis=0))
 
     init = (jnp.full((kvh, g), -jnp.inf, jnp.float32), jnp.zeros((kvh, g), jnp.float32),
             jnp.zeros((kvh, g, d), jnp.float32))
@@ -94,7 +103,7 @@ def _prefill_block(qb: jax.Array, q_pos0: jax.Array, k_cache: jax.Array, v_cache
         s = jnp.einsum("qkgd,tkd->kgqt", qf, kb.astype(jnp.float32))
         t_pos = b * block + jnp.arange(block)
         mask = ((t_pos[None, :] <= q_pos[:, None]) & (t_pos[None, :] < kv_len))[None, None]
-        return _online_update(carry, s, mask, vb, "kgqt,tkd->kgqd")
+        return _online_update(carry, s, mask, lambda p: jnp.einsum("kgqt,tkd->kgqd", p, vb.astype(jnp.float32)))
 
     init = (jnp.full((kvh, g, bq), -jnp.inf, jnp.float32), jnp.zeros((kvh, g, bq), jnp.float32),
             jnp.zeros((kvh, g, bq, d), jnp.float32))
@@ -103,8 +112,8 @@ def _prefill_block(qb: jax.Array, q_pos0: jax.Array, k_cache: jax.Array, v_cache
 
 
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata,
-                    scale: float, *, kv_block: int = DEFAULT_KV_BLOCK,
-                    q_block: int = DEFAULT_Q_BLOCK) -> jax.Array:
+                    scale: float, *, kv_block: int = DEFAULT_KV_BLOCK, q_block: int = DEFAULT_Q_BLOCK,
+                    decode_kv_block: int = DEFAULT_DECODE_KV_BLOCK) -> jax.Array:
     """Causal attention of ragged queries q [T, H, D] over paged K/V (already holding this step's tokens).
 
     Decode sequences (the first `num_decodes`, one query each) loop over their own KV blocks; prefill chunks
@@ -115,13 +124,14 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: 
     page_size, kvh = k_cache.shape[1], k_cache.shape[2]
     g = h // kvh
     block_pages = max(1, kv_block // page_size)
+    decode_block_pages = max(1, decode_kv_block // page_size)
     # Pad the page table so a block's dynamic slice never clips (clipping would shift the pages it reads).
-    page_table = jnp.pad(meta.page_table, ((0, 0), (0, block_pages)))
+    page_table = jnp.pad(meta.page_table, ((0, 0), (0, max(block_pages, decode_block_pages))))
     qg = q.reshape(t, kvh, g, d)
     out = jnp.zeros((t + q_block, kvh, g, d), jnp.float32)
 
     def decode_body(s: jax.Array, out: jax.Array) -> jax.Array:
-        o = _decode_one(qg[s], k_cache, v_cache, page_table[s], meta.kv_lens[s], scale, block_pages)
+        o = _decode_one(qg[s], k_cache, v_cache, page_table[s], meta.kv_lens[s], scale, decode_block_pages)
         return lax.dynamic_update_slice_in_dim(out, o[None], s, axis=0)
 
     out = lax.fori_loop(0, meta.num_decodes, decode_body, out)

@@ -1,0 +1,107 @@
+"""Benchmark one layer of paged attention (float32, `small` shapes) against the memory/compute floors.
+
+    python scripts/bench_attention.py                       # the standard cases
+    python scripts/bench_attention.py --kv-block 512 --q-block 64 --repeat 20
+
+Decode: S sequences, each one query token at `--context` tokens of context. Prefill: one chunk of Q tokens
+after C tokens of prior context. The page table is padded to ceil(max_model_len / page_size) columns as the
+runner pads it. Floors: decode reads S x context x K/V bytes at `--bandwidth`; prefill does 4 x H x D x
+(causal query-key pairs) FLOPs at `--flops`. Reports the best of `--repeat` runs (the machine is shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.model.metadata import AttentionMetadata
+from jaxserve.model.paged_attention import (
+    DEFAULT_DECODE_KV_BLOCK,
+    DEFAULT_KV_BLOCK,
+    DEFAULT_Q_BLOCK,
+    paged_attention,
+)
+from planner.model_spec import PRESETS
+
+
+def make_case(spec, seqs: list[tuple[int, int]], num_decodes: int, page_size: int, max_model_len: int,
+              seed: int = 0):
+    """Arrays for sequences given as (q_len, kv_len), pages shuffled over a pool that just fits them."""
+    rng = np.random.default_rng(seed)
+    h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    need = [-(-kv // page_size) for _, kv in seqs]
+    num_pages = sum(need) + 1
+    pages = rng.permutation(np.arange(1, num_pages))
+    width = -(-max_model_len // page_size)
+    table = np.zeros((len(seqs), width), np.int32)
+    used = 0
+    for s, n in enumerate(need):
+        table[s, :n] = pages[used : used + n]
+        used += n
+    q_lens = np.array([q for q, _ in seqs], np.int32)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    t = int(cu[-1])
+    meta = AttentionMetadata(slot_mapping=jnp.zeros(t, jnp.int32), cu_q_lens=jnp.asarray(cu),
+                             kv_lens=jnp.asarray([kv for _, kv in seqs], jnp.int32), page_table=jnp.asarray(table),
+                             num_seqs=jnp.int32(len(seqs)), num_decodes=jnp.int32(num_decodes))
+    q = jnp.asarray(rng.standard_normal((t, h, d), dtype=np.float32))
+    k = jnp.asarray(rng.standard_normal((num_pages, page_size, kvh, d), dtype=np.float32))
+    v = jnp.asarray(rng.standard_normal((num_pages, page_size, kvh, d), dtype=np.float32))
+    return q, k, v, meta
+
+
+def best_time(fn, args, repeat: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--kv-block", type=int, default=DEFAULT_KV_BLOCK)
+    ap.add_argument("--q-block", type=int, default=DEFAULT_Q_BLOCK)
+    ap.add_argument("--decode-kv-block", type=int, default=DEFAULT_DECODE_KV_BLOCK)
+    ap.add_argument("--decodes", default="1,16,32,64")
+    ap.add_argument("--prefills", default="256:0,512:0,256:2048,512:2048", help="chunk:prior_context list")
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--bandwidth", type=float, default=27e9, help="bytes/s floor for reads")
+    ap.add_argument("--flops", type=float, default=120e9, help="FLOP/s floor for matmuls")
+    args = ap.parse_args()
+    spec = PRESETS[args.model]
+    h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    fn = jax.jit(functools.partial(paged_attention, scale=d**-0.5, kv_block=args.kv_block, q_block=args.q_block,
+                                   decode_kv_block=args.decode_kv_block))
+    kv_token_bytes = 2 * kvh * d * 4
+    print(f"# {args.model}: {h} heads, {kvh} kv heads, head_dim {d}, page {args.page_size}, "
+          f"kv_block {args.kv_block}, q_block {args.q_block}, decode_kv_block {args.decode_kv_block}, "
+          f"backend {jax.default_backend()}")
+    print(f"{'case':<28}{'ms/layer':>10}{'floor ms':>10}{'x floor':>9}")
+    for s in [int(x) for x in args.decodes.split(",") if x]:
+        case = make_case(spec, [(1, args.context)] * s, s, args.page_size, args.max_model_len)
+        t = best_time(fn, case, args.repeat)
+        floor = s * args.context * kv_token_bytes / args.bandwidth
+        print(f"{f'decode {s} x {args.context}':<28}{t * 1e3:>10.3f}{floor * 1e3:>10.3f}{t / floor:>9.1f}")
+    for item in [x for x in args.prefills.split(",") if x]:
+        q, c = (int(x) for x in item.split(":"))
+        case = make_case(spec, [(q, q + c)], 0, args.page_size, args.max_model_len)
+        t = best_time(fn, case, args.repeat)
+        pairs = q * c + q * (q + 1) / 2
+        floor = max(4 * h * d * pairs / args.flops, (q + c) * kv_token_bytes / args.bandwidth)
+        print(f"{f'prefill {q} @ {c}':<28}{t * 1e3:>10.3f}{floor * 1e3:>10.3f}{t / floor:>9.1f}")
+
+
+if __name__ == "__main__":
+    main()
