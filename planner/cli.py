@@ -112,7 +112,8 @@ def report(result: PlanResult, top: int = 5, console: Console | None = None) -> 
               f"(capacity {fmt(p['capacity_requests_per_s'])} req/s, load {fmt((p['load'] or 0) * 100)}%)")
     t.add_row("goodput", f"{fmt(p['goodput_requests_per_s'])} req/s meeting the SLOs")
     t.add_row("steps", f"decode {fmt(p['step_ms']['decode'])} ms at batch {fmt(p['decode_batch'])} "
-              f"(roofline floor {fmt(p['roofline_decode_step_ms'])}); prefill chunk {fmt(p['step_ms']['prefill_chunk'])}")
+              f"(roofline floor {fmt(p['roofline_decode_step_ms'])}); "
+              f"prefill chunk {fmt(p['step_ms']['prefill_chunk'])} ms")
     m = p["memory_gib"]
     t.add_row("memory/device", f"weights {m['weights']:.1f} GiB, KV {m['kv']:.1f} GiB, activations "
               f"{m['activations']:.2f} GiB, total {m['total']:.1f} GiB")

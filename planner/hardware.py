@@ -132,7 +132,7 @@ CATALOG: dict[str, Hardware] = {h.name: h for h in [
             "allreduce_latency": _AR_NCCL, "inter_node": _IB_NDR}),
     _hw("h200", bf16=989.4, fp8=1978.9, int8=1978.9, fp32=66.9, mem_gb=141, bw_tbs=4.8, link_gbs=450,
         ar_us=25, inter_gbs=50, sources={
-            "compute": "NVIDIA H200 Tensor Core GPU datasheet (SXM): same Hopper compute as H100 SXM, dense = half sparse",
+            "compute": "NVIDIA H200 Tensor Core GPU datasheet (SXM): Hopper compute as H100 SXM, dense = half sparse",
             "memory": "NVIDIA H200 datasheet: 141 GB HBM3e, 4.8 TB/s",
             "intra_node": "NVIDIA H200 datasheet: NVLink 900 GB/s bidirectional",
             "allreduce_latency": _AR_NCCL, "inter_node": _IB_NDR}),

@@ -158,7 +158,8 @@ def op_costs(spec: ModelSpec, shape: StepShape, *, tp: int = 1, dtype: str = "bf
         ops.append(OpCost("router", flops=2 * T * h * E, weight_bytes=h * E * bw, act_bytes=T * (h + E) * 4,
                           count=spec.num_moe_layers, gemm_rows=T))
         rows = max(1.0, T * k / max(distinct, 1e-9))  # tokens per touched expert: the GEMM's M
-        ops.append(OpCost("experts", flops=2 * T * (k + sh) * 3 * h * mi, weight_bytes=(distinct + sh) * 3 * h * mi * bw,
+        ops.append(OpCost("experts", flops=2 * T * (k + sh) * 3 * h * mi,
+                          weight_bytes=(distinct + sh) * 3 * h * mi * bw,
                           act_bytes=T * (k + sh) * (2 * h + 4 * mi) * ba, count=spec.num_moe_layers, gemm_rows=rows))
     ops.append(OpCost("allreduce_mlp", comm_bytes=T * h * ba * ar, collectives=ar, count=L))
     # Vocab-parallel embedding (gather of T rows, then an all-reduce), lm_head on one row per sequence, sampling.

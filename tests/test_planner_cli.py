@@ -1,0 +1,96 @@
+"""`jaxserve plan`: the default example, --json keys, profile and config.json inputs, one-line errors."""
+
+import json
+
+import pytest
+
+from jaxserve.cli import main
+from planner.hardware import CATALOG
+
+
+def run(capsys, *args):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", *args])
+    out, err = capsys.readouterr()
+    return exc.value.code, out, err
+
+
+def test_default_plan_prints_a_report(capsys):
+    code, out, err = run(capsys)
+    assert code == 0, err
+    assert "llama-3.1-8b" in out and "h100-sxm" in out
+    assert "TTFT" in out and "bottleneck" in out and "candidates" in out
+
+
+def test_json_has_the_promised_keys(capsys):
+    code, out, _ = run(capsys, "--json", "--model", "llama-3.1-70b", "--num-devices", "8", "--request-rate", "2",
+                       "--ttft-slo-ms", "2000", "--tpot-slo-ms", "100", "--disaggregate")
+    assert code == 0
+    j = json.loads(out)
+    assert {"model", "hardware", "num_devices", "config", "predicted", "disaggregated", "candidates"} <= set(j)
+    assert set(j["config"]) == {"tp", "replicas", "max_num_seqs", "chunk_size", "page_size", "dtype", "kv_dtype"}
+    p = j["predicted"]
+    for key in ("ttft_ms", "tpot_ms", "itl_ms"):
+        assert set(p[key]) == {"mean", "p50", "p90", "p99"}
+    assert {"output_tokens_per_s", "requests_per_s", "goodput_requests_per_s", "kv_capacity_tokens",
+            "max_concurrency", "memory_gib", "step_ms", "bottleneck"} <= set(p)
+    assert set(p["memory_gib"]) == {"weights", "kv", "activations", "total"}
+    assert set(p["step_ms"]) == {"decode", "prefill_chunk"}
+    d = j["disaggregated"]
+    assert {"prefill", "decode", "kv_transfer_ms", "goodput_per_device", "colocated_goodput_per_device"} <= set(d)
+    assert d["prefill"]["instances"] * d["prefill"]["tp"] + d["decode"]["instances"] * d["decode"]["tp"] <= 8
+    assert j["config"]["tp"] * j["config"]["replicas"] == 8
+    assert isinstance(j["candidates"], list) and j["candidates"]
+
+
+def test_fixed_knobs_are_held(capsys):
+    code, out, _ = run(capsys, "--json", "--num-devices", "4", "--tp", "2", "--max-num-seqs", "64",
+                       "--chunk-size", "1024", "--dtype", "fp8")
+    c = json.loads(out)["config"]
+    assert code == 0 and (c["tp"], c["replicas"], c["max_num_seqs"], c["chunk_size"]) == (2, 2, 64, 1024)
+    assert c["dtype"] == c["kv_dtype"] == "fp8"
+
+
+def test_hardware_profile_and_hf_config_paths(capsys, tmp_path):
+    profile = tmp_path / "gpu.json"
+    profile.write_text(json.dumps({"name": "my-gpu", "base": "a100-80g", "coefficients": {"step_overhead_s": 0.001}}))
+    config = tmp_path / "m"
+    config.mkdir()
+    (config / "config.json").write_text(json.dumps({
+        "architectures": ["MistralForCausalLM"], "hidden_size": 1024, "num_attention_heads": 16,
+        "num_key_value_heads": 4, "num_hidden_layers": 8, "intermediate_size": 4096, "vocab_size": 32000}))
+    code, out, err = run(capsys, "--json", "--hardware", str(profile), "--model", str(config))
+    assert code == 0, err
+    j = json.loads(out)
+    assert j["hardware"] == "my-gpu" and j["model"] == "m"
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--model", "gpt-5"], "unknown model"),
+    (["--hardware", "abacus"], "unknown hardware"),
+    (["--tp", "3", "--num-devices", "3"], "does not divide"),
+    (["--model", "llama-3.1-405b"], "does not fit"),
+    (["--input-len", "0"], "--input-len"),
+    (["--output-len", "-5"], "--output-len"),
+    (["--request-rate", "1", "--concurrency", "4"], "not both"),
+    (["--dtype", "fp7"], "fp7"),
+])
+def test_bad_input_is_one_line_on_stderr_with_exit_2(capsys, args, words):
+    code, out, err = run(capsys, *args)
+    assert code == 2
+    assert out == ""
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert words in err and "Traceback" not in err
+
+
+def test_unsupported_architecture_names_the_supported_ones(capsys, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    code, _, err = run(capsys, "--model", str(cfg))
+    assert code == 2 and "LlamaForCausalLM" in err
+
+
+def test_catalog_lists_every_required_device():
+    for name in ("h100-sxm", "h200", "a100-80g", "a100-40g", "l40s", "b200", "mi300x", "tpu-v5e", "tpu-v5p", "cpu"):
+        hw = CATALOG[name]
+        assert {"compute", "memory", "intra_node"} <= set(hw.sources), name
