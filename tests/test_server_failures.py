@@ -82,3 +82,28 @@ def test_dead_engine_is_503(url: str, fake: FakeEngine) -> None:
     finally:
         fake.healthy = True
     assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_real_engine_loop_death_is_503_not_a_hang() -> None:
+    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.engine_config import EngineConfig
+
+    engine = AsyncEngine(EngineConfig(model="tiny", warmup=False, max_num_seqs=4, max_num_batched_tokens=64,
+                                      chunk_size=64, kv_cache_memory=2**20, max_model_len=256))
+
+    def broken_step():
+        raise RuntimeError("injected step failure")
+
+    engine.engine.step = broken_step
+    engine.start()
+    try:
+        with LiveServer(build_app(engine)) as server:
+            assert httpx.get(f"{server.url}/health").status_code == 200
+            r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ab", "max_tokens": 2}, timeout=10)
+            assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+            assert httpx.get(f"{server.url}/health").status_code == 503
+            r = httpx.post(f"{server.url}/v1/chat/completions", timeout=10,
+                           json={"messages": [{"role": "user", "content": "x"}], "stream": True})
+            assert r.status_code == 503
+    finally:
+        engine.shutdown()
