@@ -33,7 +33,7 @@ class Coefficients:
     compute_eff: float = 0.70  # fraction of dense peak reached by large GEMMs and attention
     gemm_m_half: float = 16.0  # rows at which a GEMM reaches half of compute_eff (small-M GEMMs are slow)
     weight_bw_eff: float = 0.80  # fraction of HBM bandwidth reached streaming weights (GEMV-like decode)
-    kv_bw_eff: float = 0.70  # fraction of HBM bandwidth reached reading paged KV in attention
+    kv_bw_eff: float = 0.80  # fraction of HBM bandwidth reached reading paged KV in attention
     comm_eff: float = 0.70  # fraction of link bandwidth reached by ring all-reduce
     step_overhead_s: float = 300e-6  # per engine step: scheduling, launch, sampling setup
     layer_overhead_s: float = 6e-6  # per layer per step: kernel launches, norms, small ops

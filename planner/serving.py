@@ -389,9 +389,12 @@ def predict_serving(spec: ModelSpec, hw: Hardware, workload: Workload, config: S
     b = st.batch if st.stable else m.slots
     dec = step_time_shape(spec, hw, decode_shape(max(1, round(b)), m.ctx), tp=config.tp, dtype=config.dtype,
                           kv_dtype=config.kv_dtype)
-    chunk = step_time_shape(spec, hw, decode_shape(round(b), m.ctx) + prefill_shape(m.budget(b), m.prefix)
-                            if round(b) else prefill_shape(m.budget(b), m.prefix),
-                            tp=config.tp, dtype=config.dtype, kv_dtype=config.kv_dtype)
+    # The step carrying a prompt's (first) chunk beside the running decodes.
+    q = min(m.budget(b), round(workload.computed_input))
+    chunk_shape = prefill_shape(q, m.prefix)
+    if round(b):
+        chunk_shape = decode_shape(round(b), m.ctx) + chunk_shape
+    chunk = step_time_shape(spec, hw, chunk_shape, tp=config.tp, dtype=config.dtype, kv_dtype=config.kv_dtype)
     common = dict(decode_step=dec, prefill_chunk_step=chunk, memory=mem, max_concurrency=m.slots,
                   capacity_requests_per_s=cap * r)
     if not st.stable:
