@@ -35,6 +35,7 @@ class Comparison:
     measured_ms: float
     predicted_ms: float
     source: str
+    roofline_ms: float | None = None  # the pure roofline floor for the same figure (step-level points)
 
     @property
     def error(self) -> float:
@@ -45,7 +46,7 @@ def load_points(path: Path = POINTS_PATH) -> list[dict[str, Any]]:
     return json.loads(Path(path).read_text())["points"]
 
 
-def _static_batch_ms_per_token(p: dict[str, Any], hw: Hardware) -> float:
+def _static_batch_ms_per_token(p: dict[str, Any], hw: Hardware) -> tuple[float, float]:
     spec = load_model_spec(p["model"])
     b, isl, osl = p["batch"], p["input_len"], p["output_len"]
     kw = dict(tp=p["tp"], dtype=p["dtype"], kv_dtype=p["kv_dtype"])
@@ -53,13 +54,15 @@ def _static_batch_ms_per_token(p: dict[str, Any], hw: Hardware) -> float:
     shape = ctx_shape
     for _ in range(b - 1):
         shape = shape + ctx_shape
-    total = step_time_shape(spec, hw, shape, **kw).total_s
+    first = step_time_shape(spec, hw, shape, **kw)
+    total, floor = first.total_s, first.roofline_s
     steps = osl - 1
     if steps > 0:  # decode steps at contexts isl+1 .. isl+osl-1, integrated on a few nodes (linear in context)
         ctxs = np.linspace(isl + 1, isl + osl - 1, 5)
-        times = [step_time_shape(spec, hw, decode_shape(b, float(c)), **kw).total_s for c in ctxs]
-        total += steps * float(np.mean(times))
-    return total / osl * 1e3
+        times = [step_time_shape(spec, hw, decode_shape(b, float(c)), **kw) for c in ctxs]
+        total += steps * float(np.mean([t.total_s for t in times]))
+        floor += steps * float(np.mean([t.roofline_s for t in times]))
+    return total / osl * 1e3, floor / osl * 1e3
 
 
 def predict_point(p: dict[str, Any], hardware: Hardware | None = None) -> list[Comparison]:
@@ -69,15 +72,16 @@ def predict_point(p: dict[str, Any], hardware: Hardware | None = None) -> list[C
     spec = load_model_spec(p["model"])
     if p["kind"] == "first_token":
         t = step_time_shape(spec, hw, prefill_shape(p["input_len"], 0), tp=p["tp"], dtype=p["dtype"],
-                            kv_dtype=p["kv_dtype"]).total_s
-        return [Comparison(p["id"], "ttft", p["measured"]["ttft_ms"], t * 1e3, src)]
+                            kv_dtype=p["kv_dtype"])
+        return [Comparison(p["id"], "ttft", p["measured"]["ttft_ms"], t.total_s * 1e3, src, t.roofline_s * 1e3)]
     if p["kind"] == "static_batch":
         pub = p["published"]
         if "latency_ms" in pub:
             measured = pub["latency_ms"] / p["output_len"]
         else:
             measured = 1e3 * p["batch"] / (pub["out_tok_s_per_gpu"] * p["tp"])
-        return [Comparison(p["id"], "tpot", measured, _static_batch_ms_per_token(p, hw), src)]
+        predicted, floor = _static_batch_ms_per_token(p, hw)
+        return [Comparison(p["id"], "tpot", measured, predicted, src, floor)]
     if p["kind"] == "serving_concurrency":
         cfg = ServingConfig(tp=p["tp"], max_num_seqs=p.get("max_num_seqs", 256), chunk_size=p.get("chunk_size", 8192),
                             dtype=p["dtype"], kv_dtype=p["kv_dtype"])
@@ -92,18 +96,24 @@ def compare_all(path: Path = POINTS_PATH) -> list[Comparison]:
     return [c for p in load_points(path) for c in predict_point(p)]
 
 
-def median_abs_errors(rows: list[Comparison]) -> dict[str, float]:
-    """Median absolute relative error per metric group ("ttft", "tpot")."""
+def median_abs_errors(rows: list[Comparison], roofline: bool = False) -> dict[str, float]:
+    """Median absolute relative error per metric group ("ttft", "tpot"); `roofline`: of the pure floor instead
+    (over the step-level points only)."""
     out = {}
     for metric in ("ttft", "tpot"):
-        errs = [abs(r.error) for r in rows if r.metric == metric]
+        if roofline:
+            errs = [abs(r.roofline_ms / r.measured_ms - 1) for r in rows
+                    if r.metric == metric and r.roofline_ms is not None]
+        else:
+            errs = [abs(r.error) for r in rows if r.metric == metric]
         out[metric] = median(errs) if errs else float("nan")
     return out
 
 
 def table(rows: list[Comparison]) -> str:
     """The comparison as a markdown table."""
-    lines = ["| point | metric | measured ms | predicted ms | error |", "|---|---|---:|---:|---:|"]
+    lines = ["| point | metric | measured ms | predicted ms | error | roofline ms |", "|---|---|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r.id} | {r.metric} | {r.measured_ms:.2f} | {r.predicted_ms:.2f} | {r.error:+.0%} |")
+        floor = "-" if r.roofline_ms is None else f"{r.roofline_ms:.2f}"
+        lines.append(f"| {r.id} | {r.metric} | {r.measured_ms:.2f} | {r.predicted_ms:.2f} | {r.error:+.0%} | {floor} |")
     return "\n".join(lines)
