@@ -156,7 +156,7 @@ class KVCacheManager:
         if num_full <= holding.num_tree_pages:
             return
         tokens = req.all_token_ids[: num_full * self.page_size]
-        result = self.tree.insert(tokens, req.page_ids[:num_full], req.cache_salt)
+        result = self.tree.insert(tokens, req.page_ids[:num_full], req.cache_salt, start=holding.node)
         if result.duplicates:
             self.allocator.free(result.duplicates)
         req.page_ids[:num_full] = result.page_ids

@@ -118,20 +118,36 @@ class RadixCache:
 
     # ---- updates -------------------------------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], page_ids: Sequence[int], salt: str | None = None) -> InsertResult:
+    def insert(self, tokens: Sequence[int], page_ids: Sequence[int], salt: str | None = None,
+               start: RadixNode | None = None) -> InsertResult:
         """Cache the full pages of `tokens` whose KV sits in `page_ids` (one id per full page).
 
         Blocks already in the tree keep the tree's page; the caller's page for such a block is returned in
-        `duplicates` (unless it is that very page) for the caller to free or keep privately.
+        `duplicates` (unless it is that very page) for the caller to free or keep privately. `start`, an
+        attached node whose path is the first `start.depth` pages of `tokens` (e.g. the caller's locked
+        node), skips re-walking those blocks; the result is the same.
         """
         num_pages = len(tokens) // self.page_size
         if len(page_ids) < num_pages:
             raise ValueError(f"{len(page_ids)} page ids for {num_pages} full pages")
         self._clock += 1
-        node = self.root(salt)
         path: list[int] = []
+        if start is None or start.is_root:
+            node, first = self.root(salt), 0
+        else:
+            if start.parent is None or start.salt != (salt or DEFAULT_SALT) or start.depth > num_pages:
+                raise ValueError(f"start node {start} is not on the path of these tokens")
+            node, first = start, start.depth
+            while not node.is_root:  # touch the path above, as a walk from the root would
+                node.last_access = self._clock
+                path.append(node.page_id)
+                node = node.parent  # type: ignore[assignment]
+            path.reverse()
+            node = start
         duplicates: list[int] = []
-        for i, key in enumerate(self._blocks(tokens, num_pages)):
+        ps = self.page_size
+        for i in range(first, num_pages):
+            key = tuple(tokens[i * ps:(i + 1) * ps])
             child = node.children.get(key)
             if child is None:
                 child = RadixNode(key, int(page_ids[i]), node, node.salt)

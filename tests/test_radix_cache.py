@@ -126,10 +126,11 @@ class RadixModel(RuleBasedStateMachine):
     salts = st.sampled_from(["", "", "x"])
 
     @rule(tokens=tokens, salt=salts)
-    def insert(self, tokens: list[int], salt: str) -> None:
+    def insert(self, tokens: list[int], salt: str, start: object = None) -> None:
         paths = self._paths(salt, tokens)
-        mine = [next(self.pages) for _ in paths]
-        result = self.tree.insert(tokens, mine, salt=salt)
+        held = getattr(start, "depth", 0)  # a caller extending its path holds the tree's pages above start
+        mine = [self.ref[(salt, p)][0] if i < held else next(self.pages) for i, p in enumerate(paths)]
+        result = self.tree.insert(tokens, mine, salt=salt, start=start)
         self.clock += 1
         expected, dups = [], []
         for path, page in zip(paths, mine, strict=True):
@@ -154,6 +155,13 @@ class RadixModel(RuleBasedStateMachine):
         for path in matched:
             self.ref[(salt, path)][2] += 1
         self.held.append((result.node, salt, matched[-1] if matched else ()))
+
+    @precondition(lambda self: self.held)
+    @rule(i=st.integers(0, 100), more=tokens)
+    def extend_held_path(self, i: int, more: list[int]) -> None:
+        """What a running request does: insert its new pages below the node it holds."""
+        node, salt, deepest = self.held[i % len(self.held)]
+        self.insert([t for block in deepest for t in block] + more, salt, start=node)
 
     @precondition(lambda self: self.held)
     @rule(i=st.integers(0, 100))
