@@ -214,8 +214,7 @@ class KVCacheManager:
         everything = free + tree_pages + private
         assert len(set(everything)) == len(everything), "a page is in two places (free, tree, private)"
         assert set(everything) == set(range(1, self.allocator.num_pages)), "a page is lost or unknown"
-        assert set(tree_pages + private) == {p for p in range(self.allocator.num_pages)
-                                             if self.allocator.is_allocated(p)}, "allocator flags are off"
+        assert set(tree_pages + private) == set(self.allocator.allocated_pages()), "allocator flags are off"
         if self.tree is not None:
             for node in self.tree.nodes():
                 assert node.lock_ref == expected_locks[id(node)], f"{node} lock count is not its holders'"

@@ -62,6 +62,10 @@ class PageAllocator:
     def is_allocated(self, page: int) -> bool:
         return bool(self._allocated[page])
 
+    def allocated_pages(self) -> list[int]:
+        """Pages handed out and not yet freed (for checks and tests)."""
+        return np.flatnonzero(self._allocated).tolist()
+
     def free_pages(self) -> list[int]:
         """A copy of the free list (for checks and tests)."""
         return list(self._free)

@@ -293,6 +293,11 @@ def test_random_workloads_respect_budgets_and_leak_nothing(seed: int, page_size:
         if sched.requests and rng.random() < 0.1:
             aborted += sched.abort_request(rng.choice(sorted(sched.requests)))
             sched.integrity_check()
+        if sched.running and rng.random() < 0.05:  # the engine stops one early (a stop string, say)
+            stopped = rng.choice(sched.running)
+            sched.finish_request(stopped, RequestStatus.FINISHED_STOPPED)
+            driver.finished[stopped.request_id] = stopped
+            sched.integrity_check()
         driver.step()
     driver.run()
     assert len(driver.finished) + aborted == submitted
