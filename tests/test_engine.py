@@ -39,6 +39,8 @@ def test_preempted_requests_recompute_the_same_tokens(tiny_llm):
     cramped = LLM(model="tiny", **{**TINY_ENGINE_ARGS, "kv_cache_memory": 40 * 16 * 512, "max_model_len": 512})
     outs = cramped.generate(batch, GREEDY)
     assert [o.token_ids for o in outs] == expected
+    assert cramped.engine.counters["num_preemptions"] > 0
+    assert any(o.metrics.num_preemptions > 0 for o in outs)
     cramped.engine.scheduler.integrity_check()
     assert cramped.engine.kv_manager.num_used_pages == 0
 
