@@ -25,7 +25,7 @@ SMALL_ENGINE = ["--max-num-seqs", "64", "--max-num-batched-tokens", "256", "--ch
 def _launch(*args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     return subprocess.Popen([sys.executable, "-c", "from jaxserve.cli import main; main()", "serve", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
 
 def _stderr_lines(proc: subprocess.Popen) -> queue.Queue[str]:

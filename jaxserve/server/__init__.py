@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: protocol models, serving logic, the FastAPI app, metrics and `serve`."""
