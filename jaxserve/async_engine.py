@@ -148,7 +148,7 @@ class AsyncEngine:
                 _, rid, prompt, ids, params, salt = msg
                 try:
                     self.engine.add_request(rid, prompt, params, cache_salt=salt, prompt_token_ids=ids)
-                except ValueError as e:
+                except Exception as e:  # a bad request fails alone; the loop goes on
                     self._deliver_error(rid, e)
             else:
                 out = self.engine.abort_request(msg[1])

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from jaxserve.scheduler import Scheduler, SchedulerConfig
 from jaxserve.stop_checker import StopChecker
 from jaxserve.tokenizer import load_tokenizer
 from planner.model_spec import load_model_spec
+
+log = logging.getLogger("jaxserve")
 
 
 def context_length_error(max_model_len: int, prompt_len: int, max_tokens: int) -> str:
@@ -160,22 +163,37 @@ class LLMEngine:
             if not batch.samples[s]:
                 continue
             tracked = self._tracked[req.request_id]
-            self.counters["generation_tokens"] += 1
-            req.token_times.append(now)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            if tracked.logprobs is not None:
-                tracked.logprobs.append(self._logprob_entry(result, s, req.sampling_params.logprobs or 0))
-            finish = tracked.stops.check(req)
-            if finish is not None:
-                status, reason = finish
-                req.stop_reason = reason
-                req.finish_time = now
-                self.scheduler.finish_request(req, status)
-                del self._tracked[req.request_id]
-            outputs.append(self._output(tracked))
+            try:
+                outputs.append(self._postprocess(tracked, result, s, now))
+            except Exception as e:  # one request's failure (e.g. detokenizing) must not stop the others
+                log.exception("request %s failed", req.request_id)
+                outputs.append(self._fail(tracked, f"internal error: {type(e).__name__}: {e}"))
         self._record_step(batch, start)
         return outputs
+
+    def _postprocess(self, tracked: _Tracked, result, s: int, now: float) -> RequestOutput:
+        """Stamp a request's new token, record its logprobs, check its stops, and describe it."""
+        req = tracked.request
+        self.counters["generation_tokens"] += 1
+        req.token_times.append(now)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if tracked.logprobs is not None:
+            tracked.logprobs.append(self._logprob_entry(result, s, req.sampling_params.logprobs or 0))
+        finish = tracked.stops.check(req)
+        if finish is not None:
+            status, reason = finish
+            req.stop_reason = reason
+            req.finish_time = now
+            self.scheduler.finish_request(req, status)
+            del self._tracked[req.request_id]
+        return self._output(tracked)
+
+    def _fail(self, tracked: _Tracked, message: str) -> RequestOutput:
+        """Abort a request that hit an internal error; its output carries the error."""
+        out = self.abort_request(tracked.request.request_id) or self._output(tracked)
+        out.error = message
+        return out
 
     def _logprob_entry(self, result, s: int, k: int) -> dict[int, float]:
         entry = {int(result.tokens[s]): float(result.logprobs[s])}

@@ -107,3 +107,20 @@ def test_abort_frees_pages_at_once(tiny_llm):
     assert out.finished and out.finish_reason == "abort"
     assert engine.kv_manager.num_used_pages == 0 and not engine.has_unfinished_requests()
     engine.scheduler.integrity_check()
+
+
+def test_a_request_that_fails_internally_fails_alone(tiny_llm):
+    engine = tiny_llm.engine
+    engine.add_request("healthy", [1, 2, 3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    engine.add_request("broken", [4, 5, 6], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+
+    def explode(req):
+        raise RuntimeError("detokenizer exploded")
+
+    engine._tracked["broken"].stops.check = explode
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished["broken"].finish_reason == "abort" and "detokenizer exploded" in finished["broken"].error
+    assert len(finished["healthy"].token_ids) == 4 and finished["healthy"].error is None
+    assert engine.kv_manager.num_used_pages == 0
