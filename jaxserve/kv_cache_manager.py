@@ -160,9 +160,10 @@ class KVCacheManager:
         if result.duplicates:
             self.allocator.free(result.duplicates)
         req.page_ids[:num_full] = result.page_ids
-        self.tree.lock(result.node)
-        if holding.node is not None:
-            self.tree.unlock(holding.node)
+        if holding.node is None:
+            self.tree.lock(result.node)
+        else:
+            self.tree.extend_lock(holding.node, result.node)
         holding.node, holding.num_tree_pages = result.node, num_full
 
     def free(self, req: Request) -> None:

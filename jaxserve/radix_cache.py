@@ -171,6 +171,24 @@ class RadixCache:
             node.lock_ref += 1
             node = node.parent  # type: ignore[assignment]
 
+    def extend_lock(self, held: RadixNode, node: RadixNode) -> None:
+        """Move a lock from `held` down to its descendant `node`: lock(node) then unlock(held), walking only
+        the path between them (a request caching new pages below the node it holds)."""
+        if held.is_root:
+            self.lock(node)
+            return
+        segment = []
+        n = node
+        while n is not held:
+            if n.is_root or n.depth <= held.depth:
+                raise ValueError(f"{node} is not below {held}")
+            segment.append(n)
+            n = n.parent  # type: ignore[assignment]
+        for n in segment:
+            if n.lock_ref == 0:
+                self.num_locked += 1
+            n.lock_ref += 1
+
     def unlock(self, node: RadixNode) -> None:
         """Release one lock taken with `lock(node)`."""
         start = node

@@ -126,7 +126,10 @@ class RadixModel(RuleBasedStateMachine):
     salts = st.sampled_from(["", "", "x"])
 
     @rule(tokens=tokens, salt=salts)
-    def insert(self, tokens: list[int], salt: str, start: object = None) -> None:
+    def insert(self, tokens: list[int], salt: str) -> None:
+        self._insert(tokens, salt)
+
+    def _insert(self, tokens: list[int], salt: str, start: object = None) -> object:
         paths = self._paths(salt, tokens)
         held = getattr(start, "depth", 0)  # a caller extending its path holds the tree's pages above start
         mine = [self.ref[(salt, p)][0] if i < held else next(self.pages) for i, p in enumerate(paths)]
@@ -140,6 +143,7 @@ class RadixModel(RuleBasedStateMachine):
             entry[1] = self.clock
             expected.append(entry[0])
         assert result.page_ids == expected and result.duplicates == dups
+        return result.node
 
     @rule(tokens=tokens, salt=salts, touch=st.booleans())
     def match(self, tokens: list[int], salt: str, touch: bool) -> None:
@@ -157,11 +161,18 @@ class RadixModel(RuleBasedStateMachine):
         self.held.append((result.node, salt, matched[-1] if matched else ()))
 
     @precondition(lambda self: self.held)
-    @rule(i=st.integers(0, 100), more=tokens)
-    def extend_held_path(self, i: int, more: list[int]) -> None:
-        """What a running request does: insert its new pages below the node it holds."""
+    @rule(i=st.integers(0, 100), more=tokens, move_lock=st.booleans())
+    def extend_held_path(self, i: int, more: list[int], move_lock: bool) -> None:
+        """What a running request does: insert its new pages below the node it holds, move its lock down."""
         node, salt, deepest = self.held[i % len(self.held)]
-        self.insert([t for block in deepest for t in block] + more, salt, start=node)
+        tokens = [t for block in deepest for t in block] + more
+        new = self._insert(tokens, salt, start=node)
+        if move_lock:
+            self.tree.extend_lock(node, new)
+            paths = self._paths(salt, tokens)
+            for path in paths[len(deepest):]:
+                self.ref[(salt, path)][2] += 1
+            self.held[i % len(self.held)] = (new, salt, paths[-1] if paths else ())
 
     @precondition(lambda self: self.held)
     @rule(i=st.integers(0, 100))
