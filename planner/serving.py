@@ -268,7 +268,12 @@ def _solve(m: _Model, lam: float, seen: float = 1.0, slot_wait: bool = True) -> 
     # Its last step also carries the prompts that arrived behind it, up to the token budget.
     # (arrivals during that step itself come too late for it).
     last = t_seen + m.prefill(b_seen, float(np.mean(pts)))[2][-1]
+    lone_own = own
     own += _packed_extra(m, b, lam * seen * (wait + own - last), float(np.mean(pts)), c)
+    # The same packing, seen from the packed side: a request arriving while another prompt still has steps to
+    # go rides its first chunk in that prompt's last step, so it needs one step fewer than alone.
+    if max(n_lone) > 1:
+        own -= min(1.0, lam * seen * (lone_own - last)) * last
     # Prompts that arrived during this request's wait and prefill and were not packed into its own last step
     # stall its decode: extra TPOT = lam * TTFT * E[Delta] * (1 - packable) / ((O - 1) (1 - lam E[Delta])).
     mean_delta = float(np.mean([m.prefill(b, i)[0] for i in pts]))

@@ -108,3 +108,11 @@ def test_kv_transfer_grows_with_the_prompt_and_uses_the_link():
     assert short < long < remote
     # 8000 tokens x 320 KiB = 2.6 GB over two 450 GB/s NVLink streams: ~2.9 ms.
     assert long == pytest.approx(8000 * 327680 / (2 * 450e9) + hw.allreduce_latency_s, rel=1e-6)
+
+
+def test_planner_imports_without_jax():
+    import subprocess
+    import sys
+
+    code = "import sys, planner, planner.cli; assert not any(m == 'jax' or m.startswith('jax.') for m in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

@@ -3,6 +3,8 @@
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from planner.hardware import CATALOG
 from planner.model_spec import PRESETS
@@ -76,3 +78,15 @@ def test_workload_rejects_bad_input():
         Workload(0, 10)
     with pytest.raises(ValueError):
         Workload(10, 10, request_rate=1, concurrency=2)
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(st.floats(0.2, 0.7), st.sampled_from([256, 1024, 2048]), st.sampled_from([128, 256]))
+def test_closed_form_tracks_simulation_property(load, input_len, output_len):
+    cfg = ServingConfig(chunk_size=2048)
+    base = Workload(input_len, output_len, request_rate=1.0)
+    wl = Workload(input_len, output_len, request_rate=load * capacity(L8B, H100, base, cfg))
+    pred = predict_serving(L8B, H100, wl, cfg)
+    sim = simulate(L8B, H100, wl, cfg, num_requests=1500, seed=0)
+    assert pred.ttft.mean == pytest.approx(sim.ttft.mean, rel=0.10)
+    assert pred.tpot.mean == pytest.approx(sim.tpot.mean, rel=0.10)
