@@ -11,6 +11,7 @@ import sys
 import click
 
 from jaxserve.bench.cli import bench
+from jaxserve.calibrate import calibrate_command
 from jaxserve.engine_args import config_from_options, engine_options
 from jaxserve.server.cli import serve
 from planner.cli import plan
@@ -25,6 +26,7 @@ def cli() -> None:
 cli.add_command(plan)
 cli.add_command(serve)
 cli.add_command(bench)
+cli.add_command(calibrate_command)
 
 
 @cli.command()

@@ -1,0 +1,381 @@
+"""`jaxserve calibrate`: measure the local JAX device and the engine, fit the planner's coefficients.
+
+Measures streaming bandwidth, dense matmul peak, GEMM throughput across M at the model's MLP shape, and real
+engine steps: lone prefills, decode batches over sequences x context (the attention cost), and decodes with a
+chunked long prompt beside them (mixed steps). The step times are fitted with `calibrate_fit` to the planner's
+additive model; the result is a hardware profile JSON for `jaxserve plan --hardware profile.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxserve.calibrate_fit import FitResult, StepSample, fit_coefficients
+from planner.hardware import CATALOG, GIGA, Hardware
+from planner.step_model import decode_shape, prefill_shape
+
+Progress = Callable[[str, float], None]  # (phase description, fraction of the whole done)
+
+
+@dataclass
+class CalibrationConfig:
+    """Sizes of the measurements; `quick()` is for tests."""
+
+    prefill_lens: tuple[int, ...] = (16, 64, 256, 512)
+    decode_batches: tuple[int, ...] = (1, 4, 16)
+    decode_contexts: tuple[int, ...] = (64, 512)
+    decode_steps: int = 6
+    mixed_decodes: int = 4
+    mixed_prompt_len: int = 1024
+    gemm_rows: tuple[int, ...] = (1, 4, 16, 64, 256, 1024)
+    bandwidth_bytes: int = 256 * 2**20
+    matmul_n: int = 1024
+    repeats: int = 2
+
+    @classmethod
+    def quick(cls) -> CalibrationConfig:
+        return cls(prefill_lens=(16, 32), decode_batches=(1, 4), decode_contexts=(16, 64), decode_steps=3,
+                   mixed_decodes=2, mixed_prompt_len=96, gemm_rows=(1, 16, 64), bandwidth_bytes=16 * 2**20,
+                   matmul_n=256, repeats=1)
+
+
+@dataclass
+class Calibration:
+    """The fitted hardware, the fit's quality, and every raw measurement."""
+
+    hardware: Hardware
+    fit: FitResult
+    dtype: str  # planner dtype name of the measured engine: fp32 | bf16 | fp16
+    samples: list[StepSample] = field(default_factory=list)
+    measurements: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def profile(self) -> dict[str, Any]:
+        """The profile JSON object (loadable by planner.hardware.load_hardware)."""
+        d = self.hardware.to_profile()
+        d["device"] = self.measurements.get("device", "")
+        d["notes"] = (f"jaxserve calibrate on {self.measurements.get('model')} in {self.dtype}: "
+                      f"step-time fit median |error| {self.fit.median_abs_error:.1%}, max {self.fit.max_abs_error:.1%} "
+                      f"over {len(self.samples)} engine steps; per-layer overhead folded into step_overhead_s")
+        d["measurements"] = self.measurements
+        return d
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.profile(), indent=2) + "\n")
+
+
+def planner_dtype(dtype: Any) -> str:
+    """jnp dtype -> planner dtype name."""
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[str(np.dtype(dtype))]
+
+
+def _best_time(fn: Callable[[], Any], repeats: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn())  # compile
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Streaming read bandwidth (bytes/s): a jitted sum over a float32 array of `nbytes`."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones(nbytes // 4, jnp.float32)
+    f = jax.jit(lambda a: jnp.sum(a))
+    return nbytes / _best_time(lambda: f(x), repeats)
+
+
+def measure_matmul(n: int, dtype: Any, repeats: int = 3) -> float:
+    """Dense square-GEMM throughput (FLOP/s) in `dtype`."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), dtype)
+    b = jnp.ones((n, n), dtype)
+    f = jax.jit(lambda x, y: x @ y)
+    return 2 * n**3 / _best_time(lambda: f(a, b), repeats)
+
+
+def measure_gemm_rows(rows: tuple[int, ...], k: int, n: int, dtype: Any, repeats: int = 3) -> list[dict[str, float]]:
+    """Time of x[M, k] @ W[k, n] per M (the model's fused gate/up shape): achieved FLOP/s and bytes/s."""
+    import jax
+    import jax.numpy as jnp
+
+    w = jnp.ones((k, n), dtype)
+    f = jax.jit(lambda x, y: x @ y)
+    out = []
+    for m in rows:
+        x = jnp.ones((m, k), dtype)
+        t = _best_time(lambda x=x: f(x, w), repeats)
+        nbytes = (k * n + m * k + m * n) * np.dtype(dtype).itemsize
+        out.append({"rows": m, "seconds": t, "gflops": 2 * m * k * n / t / GIGA, "gbps": nbytes / t / GIGA})
+    return out
+
+
+# Engine steps -----------------------------------------------------------------------------------------------
+def timed_step(engine) -> tuple[Any, float]:
+    """One engine step: (its StepStats, wall seconds), seconds = nan when the step compiled something."""
+    compiled = engine.runner.compile_count()
+    t0 = time.perf_counter()
+    engine.step()
+    dt = time.perf_counter() - t0
+    return engine.last_step, (dt if engine.runner.compile_count() == compiled else math.nan)
+
+
+def _drive(engine, on_step: Callable[[Any, float], None]) -> None:
+    """Step the engine until idle; `on_step(stats, seconds)` after each step that did not compile."""
+    while engine.has_unfinished_requests():
+        stats, dt = timed_step(engine)
+        if stats is not None and math.isfinite(dt):
+            on_step(stats, dt)
+
+
+class _Ids:
+    """Fresh random prompts (no prefix-cache hits) and request ids."""
+
+    def __init__(self, engine, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.vocab = engine.spec.vocab_size
+        self.n = 0
+
+    def prompt(self, n: int) -> list[int]:
+        return self.rng.integers(0, self.vocab, size=n).tolist()
+
+    def rid(self) -> str:
+        self.n += 1
+        return f"calib-{self.n}"
+
+
+def _params(n: int):
+    from jaxserve.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def measure_prefill(engine, ids: _Ids, lens: tuple[int, ...], repeats: int) -> list[StepSample]:
+    """Lone prefills of each length (one step each when it fits the budget)."""
+    samples = []
+    for n in lens:
+        times: list[float] = []
+        for _ in range(repeats):
+            engine.add_request(ids.rid(), ids.prompt(n), _params(1))
+            _drive(engine, lambda s, dt, n=n, times=times: times.append(dt) if s.num_prefill_tokens == n else None)
+        if times:
+            samples.append(StepSample(prefill_shape(n, 0), min(times), "prefill"))
+    return samples
+
+
+def measure_decode(engine, ids: _Ids, batch: int, context: int, steps: int) -> list[StepSample]:
+    """`batch` sequences of `context` prompt tokens decoding together: one sample, the median pure decode step."""
+    times: list[float] = []
+    contexts: list[int] = []
+    drawn = [0]  # tokens each sequence had drawn before the step
+
+    def record(s, dt: float) -> None:
+        if s.num_prefill_tokens == 0 and s.num_decode_tokens == batch:
+            times.append(dt)
+            contexts.append(context + drawn[0])
+            drawn[0] += 1
+        elif s.num_prefill_tokens:
+            drawn[0] = 1
+
+    for _ in range(batch):
+        engine.add_request(ids.rid(), ids.prompt(context), _params(steps + 1))
+    _drive(engine, record)
+    if not times:
+        return []
+    return [StepSample(decode_shape(batch, float(np.mean(contexts))), float(np.median(times)), "decode")]
+
+
+def measure_mixed(engine, ids: _Ids, decodes: int, prompt_len: int) -> list[StepSample]:
+    """`decodes` running sequences while one `prompt_len` prompt is prefilled in chunks beside them."""
+    samples: list[StepSample] = []
+    ctx, drawn, computed = 32, 0, 0
+    running = [ids.rid() for _ in range(decodes)]
+    for rid in running:
+        engine.add_request(rid, ids.prompt(ctx), _params(engine.max_model_len - ctx))
+    while engine.has_unfinished_requests() and drawn < 2:  # prefill the decodes, then one decode step
+        stats, _ = timed_step(engine)
+        drawn += stats.num_prefill_tokens == 0
+    engine.add_request(ids.rid(), ids.prompt(prompt_len), _params(1))
+    while computed < prompt_len and engine.has_unfinished_requests():
+        s, dt = timed_step(engine)
+        drawn += 1
+        if s.num_prefill_tokens and s.num_decode_tokens == decodes and math.isfinite(dt):
+            shape = decode_shape(decodes, ctx + drawn) + prefill_shape(s.num_prefill_tokens, computed)
+            samples.append(StepSample(shape, dt, "mixed"))
+        computed += s.num_prefill_tokens
+    for rid in running:
+        engine.abort_request(rid)
+    _drive(engine, lambda s, dt: None)
+    return samples
+
+
+def local_hardware(memory_bw: float, peak: float, dtype: str) -> tuple[Hardware, str]:
+    """A `Hardware` for the local device with measured peak and bandwidth; links from the catalog if known."""
+    import jax
+
+    dev = jax.devices()[0]
+    kind = str(getattr(dev, "device_kind", dev.platform))
+    base = CATALOG["cpu"]
+    for name, hw in CATALOG.items():
+        if name != "cpu" and name.split("-")[0] in kind.lower().replace(" ", ""):
+            base = hw
+    if dev.platform == "cpu":
+        memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    else:
+        memory = float((dev.memory_stats() or {}).get("bytes_limit", base.memory_bytes))
+    peaks = {dtype: peak}
+    if dtype in ("bf16", "fp16"):
+        peaks = {"bf16": peak, "fp16": peak}
+    sources = {"compute": f"measured by jaxserve calibrate: {dtype} square GEMM on {kind}",
+               "memory": f"measured by jaxserve calibrate: jitted streaming sum on {kind}; capacity from the device",
+               "intra_node": f"from catalog entry {base.name!r}", "allreduce_latency": f"from catalog {base.name!r}",
+               "inter_node": f"from catalog {base.name!r}"}
+    hw = Hardware(name=f"calibrated-{dev.platform}", peak_flops=peaks, memory_bytes=memory, memory_bw=memory_bw,
+                  intra_node_bw=base.intra_node_bw, allreduce_latency_s=base.allreduce_latency_s,
+                  inter_node_bw=base.inter_node_bw, devices_per_node=max(1, jax.local_device_count()),
+                  sources=sources, coefficients=base.coefficients)
+    return hw, f"{dev.platform}: {kind} x{jax.local_device_count()}"
+
+
+def calibrate(engine, cfg: CalibrationConfig | None = None, progress: Progress | None = None,
+              seed: int = 0) -> Calibration:
+    """Measure the device and `engine` (an LLMEngine, warmed up), fit the coefficients."""
+    cfg = cfg or CalibrationConfig()
+    say = progress or (lambda phase, frac: None)
+    t0 = time.monotonic()
+    dtype = planner_dtype(engine.dtype)
+    spec = engine.spec
+    say("memory bandwidth", 0.0)
+    bw = measure_bandwidth(cfg.bandwidth_bytes)
+    say("matmul peak", 0.05)
+    peak = measure_matmul(cfg.matmul_n, engine.dtype)
+    say("GEMM rows", 0.1)
+    gemm = measure_gemm_rows(cfg.gemm_rows, spec.hidden_size, 2 * spec.intermediate_size, engine.dtype)
+    hw, device = local_hardware(bw, peak, dtype)
+    ids = _Ids(engine, seed)
+    budget = min(engine.config.max_num_batched_tokens, engine.config.chunk_size)
+    samples: list[StepSample] = []
+    say("engine warm-up", 0.12)
+    measure_prefill(engine, ids, (min(cfg.prefill_lens),), 1)
+    measure_decode(engine, ids, min(2, engine.config.max_num_seqs), min(cfg.decode_contexts), 2)
+    say("engine prefill steps", 0.15)
+    samples += measure_prefill(engine, ids, tuple(n for n in cfg.prefill_lens if n <= budget), cfg.repeats)
+    points = [(b, c) for c in cfg.decode_contexts for b in cfg.decode_batches if b <= engine.config.max_num_seqs]
+    for k, (b, c) in enumerate(points):
+        say(f"engine decode steps: {b} seqs x {c} context", 0.3 + 0.5 * k / len(points))
+        samples += measure_decode(engine, ids, b, c, cfg.decode_steps)
+    say("engine mixed steps (chunked prefill beside decodes)", 0.8)
+    prompt = min(cfg.mixed_prompt_len, engine.max_model_len - 1)
+    samples += measure_mixed(engine, ids, min(cfg.mixed_decodes, engine.config.max_num_seqs - 1), prompt)
+    say("fitting", 0.95)
+    fit = fit_coefficients(spec, hw, samples, dtype=dtype)
+    hw = hw.with_coefficients(**{k: v for k, v in fit.coefficients.to_dict().items()})
+    attention = _attention_slopes(samples)
+    measurements = {
+        "device": device, "model": spec.name, "dtype": dtype, "memory_bandwidth_gbps": bw / GIGA,
+        "matmul_tflops": peak / 1e12, "matmul_n": cfg.matmul_n, "gemm_rows": gemm,
+        "attention_us_per_seq_token": attention,
+        "engine": {"max_num_seqs": engine.config.max_num_seqs,
+                   "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+                   "chunk_size": engine.config.chunk_size, "page_size": engine.config.page_size},
+        "steps": [{"kind": s.kind, "num_decode": s.shape.num_decode, "prefill_tokens": s.shape.prefill_tokens,
+                   "decode_context": s.shape.decode_context, "ms": s.seconds * 1e3, "fit_error": e}
+                  for s, e in zip(samples, fit.errors, strict=True)],
+    }
+    say("done", 1.0)
+    return Calibration(hardware=hw, fit=fit, dtype=dtype, samples=samples, measurements=measurements,
+                       seconds=time.monotonic() - t0)
+
+
+def _attention_slopes(samples: list[StepSample]) -> dict[str, float]:
+    """Decode-step cost per (sequence x context token), in us, per batch size: the slope over context."""
+    out: dict[str, float] = {}
+    by_batch: dict[int, list[StepSample]] = {}
+    for s in samples:
+        if s.kind == "decode":
+            by_batch.setdefault(s.shape.num_decode, []).append(s)
+    for b, ss in by_batch.items():
+        x = np.array([s.shape.decode_context for s in ss])
+        if np.ptp(x) > 0:
+            slope = np.polyfit(x, [s.seconds for s in ss], 1)[0]
+            out[str(b)] = float(slope * 1e6)
+    return out
+
+
+def summary_rows(cal: Calibration) -> list[tuple[str, str]]:
+    """(name, value) lines for the terminal."""
+    hw, c = cal.hardware, cal.hardware.coefficients
+    rows = [("device", cal.measurements["device"]),
+            ("memory bandwidth", f"{hw.memory_bw / GIGA:.1f} GB/s"),
+            (f"matmul peak ({cal.dtype})", f"{hw.peak(cal.dtype) / GIGA:.1f} GFLOP/s"),
+            ("step-time fit", f"median |err| {cal.fit.median_abs_error:.1%}, max {cal.fit.max_abs_error:.1%} "
+                              f"({len(cal.samples)} steps)")]
+    rows += [(k, f"{v:.4g}") for k, v in asdict(c).items()]
+    rows.append(("took", f"{cal.seconds:.0f} s"))
+    return rows
+
+
+def run_with_progress(engine, cfg: CalibrationConfig, seed: int = 0) -> Calibration:
+    """`calibrate` under a rich progress bar."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description:<55}"), BarColumn(), TimeElapsedColumn(), transient=True) as bar:
+        task = bar.add_task("calibrating", total=1.0)
+        return calibrate(engine, cfg, lambda phase, frac: bar.update(task, description=phase, completed=frac),
+                         seed=seed)
+
+
+def _command():
+    import click
+
+    from jaxserve.engine_args import config_from_options, engine_options
+
+    @click.command("calibrate")
+    @engine_options
+    @click.option("--out", default="profile.json", show_default=True, type=click.Path(dir_okay=False),
+                  help="Where to write the hardware profile JSON.")
+    @click.option("--quick", is_flag=True, help="Tiny measurement sizes (tests, smoke runs).")
+    def calibrate_command(out: str, quick: bool, **options) -> None:
+        """Measure this device and the engine; write a hardware profile for `jaxserve plan --hardware`."""
+        from rich.console import Console
+        from rich.table import Table
+
+        from jaxserve.engine import LLMEngine
+
+        seed = options["seed"]
+        config = config_from_options(options)
+        t0 = time.monotonic()
+        try:
+            engine = LLMEngine(config)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+        click.echo(f"engine ready in {time.monotonic() - t0:.1f} s", err=True)
+        cal = run_with_progress(engine, CalibrationConfig.quick() if quick else CalibrationConfig(), seed)
+        cal.save(out)
+        table = Table(title=f"calibrated profile -> {out}", show_header=False)
+        for name, value in summary_rows(cal):
+            table.add_row(name, value)
+        Console().print(table)
+
+    return calibrate_command
+
+
+calibrate_command = _command()
