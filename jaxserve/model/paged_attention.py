@@ -39,10 +39,9 @@ def _gather_block(cache: jax.Array, page_row: jax.Array, first_page: jax.Array,
                   block_pages: int) -> jax.Array:
     """KV of `block_pages` pages of one sequence as [block_pages * page_size, kv_heads, head_dim]."""
     pages = lax.dynamic_slice_in_dim(page_row, first_page, block_pages)
-    # Gathering whole flattened pages (rows of page_size * kv_heads * head_dim) is faster on XLA:CPU than
-    # gathering 4-D slices.
-    blk = cache.reshape(cache.shape[0], -1)[pages]
-    return blk.reshape(-1, *cache.shape[2:])
+    # Gather 4-D pages: reshaping the (just scattered-into) cache to 2-D first makes XLA copy the whole pool
+    # on every step.
+    return cache[pages].reshape(-1, *cache.shape[2:])
 
 
 def _online_update(carry: tuple, s: jax.Array, mask: jax.Array, pv: Callable[[jax.Array], jax.Array]) -> tuple:
