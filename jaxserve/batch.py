@@ -7,6 +7,7 @@ position kv_lens[s] - q_len[s] + i; its KV goes to slot slot_mapping[t] = page *
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,30 +48,37 @@ def build_ragged_batch(scheduled: list[tuple[Request, int]], num_decodes: int, p
 
     Each request must already hold pages for `num_computed_tokens + num_new_tokens` tokens.
     """
-    q_lens = np.array([n for _, n in scheduled], dtype=np.int32)
-    cu = np.zeros(len(scheduled) + 1, dtype=np.int32)
+    num_seqs = len(scheduled)
+    q_lens = np.fromiter((n for _, n in scheduled), dtype=np.int32, count=num_seqs)
+    starts = np.fromiter((r.num_computed_tokens for r, _ in scheduled), dtype=np.int32, count=num_seqs)
+    num_pages = np.fromiter((len(r.page_ids) for r, _ in scheduled), dtype=np.int32, count=num_seqs)
+    kv_lens = starts + q_lens
+    for s in np.flatnonzero(num_pages * page_size < kv_lens):
+        req = scheduled[s][0]
+        raise ValueError(f"request {req.request_id} holds {len(req.page_ids)} pages for {kv_lens[s]} tokens")
+    cu = np.zeros(num_seqs + 1, dtype=np.int32)
     np.cumsum(q_lens, out=cu[1:])
-    total = int(cu[-1])
-    token_ids = np.empty(total, dtype=np.int32)
-    positions = np.empty(total, dtype=np.int32)
-    slot_mapping = np.empty(total, dtype=np.int32)
-    kv_lens = np.empty(len(scheduled), dtype=np.int32)
-    samples = np.empty(len(scheduled), dtype=bool)
-    max_pages = max((len(r.page_ids) for r, _ in scheduled), default=1)
-    page_table = np.zeros((len(scheduled), max(1, max_pages)), dtype=np.int32)
-    for s, (req, n) in enumerate(scheduled):
-        start, end = req.num_computed_tokens, req.num_computed_tokens + n
-        if len(req.page_ids) * page_size < end:
-            raise ValueError(f"request {req.request_id} holds {len(req.page_ids)} pages for {end} tokens")
-        lo, hi = int(cu[s]), int(cu[s + 1])
-        token_ids[lo:hi] = req.all_token_ids[start:end]
-        pos = np.arange(start, end, dtype=np.int32)
-        positions[lo:hi] = pos
-        pages = np.asarray(req.page_ids, dtype=np.int32)
-        slot_mapping[lo:hi] = pages[pos // page_size] * page_size + pos % page_size
-        kv_lens[s] = end
-        samples[s] = end == req.num_tokens
-        page_table[s, : len(pages)] = pages
+    tokens: list[int] = []
+    for (req, _), start, end in zip(scheduled, starts.tolist(), kv_lens.tolist(), strict=True):
+        tokens += _token_slice(req, start, end)
+    token_ids = np.array(tokens, dtype=np.int32)
+    page_table = np.zeros((num_seqs, max(1, int(num_pages.max(initial=0)))), dtype=np.int32)
+    page_table[np.arange(page_table.shape[1]) < num_pages[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(r.page_ids for r, _ in scheduled), dtype=np.int32, count=int(num_pages.sum()))
+    seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
+    positions = (np.arange(int(cu[-1]), dtype=np.int32) - cu[seq_of_token] + starts[seq_of_token]).astype(np.int32)
+    slot_mapping = page_table[seq_of_token, positions // page_size] * page_size + positions % page_size
+    samples = kv_lens == np.fromiter((r.num_tokens for r, _ in scheduled), dtype=np.int32, count=num_seqs)
     return RaggedBatch(requests=[r for r, _ in scheduled], num_decodes=num_decodes, token_ids=token_ids,
                        positions=positions, cu_q_lens=cu, kv_lens=kv_lens, page_table=page_table,
-                       slot_mapping=slot_mapping, logits_indices=cu[1:] - 1, samples=samples)
+                       slot_mapping=slot_mapping.astype(np.int32), logits_indices=cu[1:] - 1, samples=samples)
+
+
+def _token_slice(req: Request, start: int, end: int) -> list[int]:
+    """req.all_token_ids[start:end] without concatenating the whole prompt and output."""
+    p = len(req.prompt_token_ids)
+    if end <= p:
+        return req.prompt_token_ids[start:end]
+    if start >= p:
+        return req.output_token_ids[start - p:end - p]
+    return req.prompt_token_ids[start:] + req.output_token_ids[: end - p]
