@@ -31,75 +31,11 @@ from planner.hardware import Hardware
 from planner.memory import MemoryPlan, plan_memory
 from planner.model_spec import ModelSpec
 from planner.step_model import StepShape, StepTime, decode_shape, prefill_shape, step_time_shape
+from planner.workload import Dist, ServingConfig, Workload
+
+__all__ = ["Dist", "ServingConfig", "ServingPrediction", "Workload", "erlang_c", "max_rate", "predict_serving"]
 
 SAMPLES = 4000
-
-
-@dataclass(frozen=True)
-class Workload:
-    """Requests: lengths, prefix-cache hit ratio, and either a Poisson rate or closed-loop clients (totals)."""
-
-    input_len: int = 1024
-    output_len: int = 256
-    spread: float = 0.0  # lengths uniform in [L(1-spread), L(1+spread)]
-    prefix_hit: float = 0.0  # fraction of prompt tokens served from the prefix cache
-    request_rate: float | None = None  # req/s over all replicas
-    concurrency: float | None = None  # clients over all replicas
-
-    def __post_init__(self) -> None:
-        if self.input_len <= 0 or self.output_len <= 0:
-            raise ValueError("input and output lengths must be positive")
-        if not 0 <= self.spread < 1 or not 0 <= self.prefix_hit < 1:
-            raise ValueError("spread and prefix_hit must be in [0, 1)")
-        if self.request_rate is not None and self.concurrency is not None:
-            raise ValueError("give a request rate or a concurrency, not both")
-        if (self.request_rate is not None and self.request_rate <= 0) or (
-                self.concurrency is not None and self.concurrency <= 0):
-            raise ValueError("request rate and concurrency must be positive")
-
-    @property
-    def computed_input(self) -> float:
-        """Prompt tokens that must be computed (the last prompt token always is)."""
-        return max(1.0, self.input_len * (1 - self.prefix_hit))
-
-
-@dataclass(frozen=True)
-class ServingConfig:
-    """One deployment: TP degree, replicas and scheduler knobs."""
-
-    tp: int = 1
-    replicas: int = 1
-    max_num_seqs: int = 256
-    chunk_size: int = 2048  # max_num_batched_tokens per step
-    page_size: int = 16
-    dtype: str = "bf16"
-    kv_dtype: str | None = None
-    gpu_memory_utilization: float = 0.9
-
-    @property
-    def num_devices(self) -> int:
-        return self.tp * self.replicas
-
-
-@dataclass(frozen=True)
-class Dist:
-    """Mean and percentiles of a latency, in milliseconds."""
-
-    mean: float
-    p50: float
-    p90: float
-    p99: float
-
-    @classmethod
-    def of(cls, samples_s: np.ndarray) -> Dist:
-        ms = np.asarray(samples_s) * 1e3
-        if ms.size == 0 or not np.all(np.isfinite(ms)):
-            return cls(math.inf, math.inf, math.inf, math.inf)
-        p50, p90, p99 = np.percentile(ms, [50, 90, 99])
-        return cls(float(ms.mean()), float(p50), float(p90), float(p99))
-
-    def to_dict(self) -> dict[str, float]:
-        return {"mean": self.mean, "p50": self.p50, "p90": self.p90, "p99": self.p99}
 
 
 @dataclass
@@ -300,13 +236,13 @@ def _packed_extra(m: _Model, b: float, mu: float, prompt: float, budget: int) ->
     if room <= 0 or mu <= 0:
         return 0.0
     per_token = m.prefill(b, budget)[0] / budget if budget <= prompt else m.prefill(b, prompt)[0] / prompt
-    tokens, pmf, n = 0.0, math.exp(-mu), 0
-    while n * prompt < room and n < 1000:
+    tokens, pmf, cdf, n = 0.0, math.exp(-mu), 0.0, 0
+    while n * prompt < room and n < 10_000:  # E[min(N * prompt, room)]
         tokens += pmf * n * prompt
+        cdf += pmf
         n += 1
         pmf *= mu / n
-    tokens += (1 - sum(math.exp(-mu) * mu**k / math.factorial(k) for k in range(n))) * room
-    return tokens * per_token
+    return (tokens + max(0.0, 1 - cdf) * room) * per_token
 
 
 def max_rate(m: _Model) -> float:
