@@ -3,7 +3,7 @@
 Each node is one full page: its key is the page's `page_size` tokens and it holds the page id whose KV was
 computed for exactly the tokens on the path from the root. Only full pages are cached, so a shared page is
 never written again and needs no copy-on-write. Each `cache_salt` gets its own root, so different salts never
-share a page.
+share a page (None and "" both mean unsalted). Edges are not path-compressed: one node per page.
 
 A lock on a node is propagated to every ancestor (the lock count of a node is the number of holders whose
 path runs through it); locked nodes are never evicted. Eviction removes unlocked leaves, least recently
