@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.calibrate_fit import FitResult, StepSample, fit_coefficients
+from planner.calibration import Sample, fit_coefficients
 from planner.hardware import CATALOG, GIGA, Hardware
-from planner.step_model import decode_shape, prefill_shape
+from planner.step_model import StepShape, decode_shape, prefill_shape, step_time_shape
 
 Progress = Callable[[str, float], None]  # (phase description, fraction of the whole done)
 
@@ -46,6 +46,25 @@ class CalibrationConfig:
         return cls(prefill_lens=(16, 32), decode_batches=(1, 4), decode_contexts=(16, 64), decode_steps=3,
                    mixed_decodes=2, mixed_prompt_len=96, gemm_rows=(1, 16, 64), bandwidth_bytes=16 * 2**20,
                    matmul_n=256, repeats=1)
+
+
+@dataclass
+class StepSample:
+    """One measured engine step: its shape, wall time (s) and kind (prefill | decode | mixed)."""
+
+    shape: StepShape
+    seconds: float
+    kind: str = "step"
+
+
+@dataclass
+class FitResult:
+    """How well the fitted coefficients explain the measured steps."""
+
+    median_abs_error: float
+    max_abs_error: float
+    errors: list[float] = field(default_factory=list)  # predicted / measured - 1, per sample
+    fixed: dict[str, float] = field(default_factory=dict)  # coefficients measured directly, not fitted
 
 
 @dataclass
@@ -286,12 +305,19 @@ def calibrate(engine, cfg: CalibrationConfig | None = None, progress: Progress |
     prompt = min(cfg.mixed_prompt_len, engine.max_model_len - 1)
     samples += measure_mixed(engine, ids, min(cfg.mixed_decodes, engine.config.max_num_seqs - 1), prompt)
     say("fitting", 0.95)
-    fit = fit_coefficients(spec, hw, samples, dtype=dtype)
-    hw = hw.with_coefficients(**{k: v for k, v in fit.coefficients.to_dict().items()})
+    # With one model the weight term barely varies between steps, so it is measured: a one-row GEMM at the
+    # model's widest shape streams its weight; its bandwidth over the stream bandwidth is weight_bw_eff.
+    fixed = {"weight_bw_eff": float(np.clip(gemm[0]["gbps"] * GIGA / bw, 0.01, 1.5))}
+    coefficients, _ = fit_coefficients(spec, hw, [Sample(s.shape, s.seconds) for s in samples], dtype=dtype,
+                                       fixed=fixed)
+    hw = hw.with_coefficients(**coefficients.to_dict())
+    errors = [step_time_shape(spec, hw, s.shape, dtype=dtype).total_s / s.seconds - 1 for s in samples]
+    fit = FitResult(median_abs_error=float(np.median(np.abs(errors))), max_abs_error=float(np.max(np.abs(errors))),
+                    errors=errors, fixed=fixed)
     attention = _attention_slopes(samples)
     measurements = {
         "device": device, "model": spec.name, "dtype": dtype, "memory_bandwidth_gbps": bw / GIGA,
-        "matmul_tflops": peak / 1e12, "matmul_n": cfg.matmul_n, "gemm_rows": gemm,
+        "matmul_tflops": peak / 1e12, "matmul_n": cfg.matmul_n, "gemm_rows": gemm, "fixed_coefficients": fixed,
         "attention_us_per_seq_token": attention,
         "engine": {"max_num_seqs": engine.config.max_num_seqs,
                    "max_num_batched_tokens": engine.config.max_num_batched_tokens,
