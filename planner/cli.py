@@ -28,7 +28,7 @@ def _positive(name: str, value: float | None) -> None:
               help=f"Preset ({', '.join(PRESETS)}) or an HF config.json / folder holding one.")
 @click.option("--hardware", default="h100-sxm", show_default=True,
               help=f"Catalog entry ({', '.join(CATALOG)}) or a hardware profile JSON.")
-@click.option("--num-devices", default=1, show_default=True, type=int, help="Devices to plan for (N).")
+@click.option("--num-devices", default=None, type=int, help="Devices to plan for (N); default: --tp, or 1.")
 @click.option("--input-len", default=1024, show_default=True, type=int, help="Prompt tokens per request.")
 @click.option("--output-len", default=256, show_default=True, type=int, help="Output tokens per request.")
 @click.option("--spread", default=0.0, show_default=True, type=float,
@@ -52,12 +52,14 @@ def _positive(name: str, value: float | None) -> None:
 @click.option("--simulate", is_flag=True, help="Check the chosen config with a discrete-event simulation.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the report.")
 @click.option("--top", default=5, show_default=True, type=int, help="Candidates shown in the report.")
-def plan(model: str, hardware: str, num_devices: int, input_len: int, output_len: int, spread: float,
+def plan(model: str, hardware: str, num_devices: int | None, input_len: int, output_len: int, spread: float,
          prefix_hit: float, request_rate: float | None, concurrency: float | None, ttft_slo_ms: float | None,
          tpot_slo_ms: float | None, tp: int | None, max_num_seqs: int | None, chunk_size: int | None,
          page_size: int, dtype: str, kv_dtype: str | None, gpu_memory_utilization: float, disaggregate: bool,
          simulate: bool, as_json: bool, top: int) -> None:
     """Plan a deployment: TP, replicas, max_num_seqs, chunk size, and the TTFT/TPOT users will see."""
+    if num_devices is None:
+        num_devices = tp if tp and tp > 0 else 1
     if request_rate is not None and concurrency is not None:
         raise click.UsageError("give --request-rate or --concurrency, not both")
     for name, v in [("--num-devices", num_devices), ("--input-len", input_len), ("--output-len", output_len),

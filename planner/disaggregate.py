@@ -92,7 +92,8 @@ class _Pools:
         return t0 + max(0.0, b - lo) * (self.decode_step(tp, lo + 1) - t0)
 
     def evaluate(self, lam: float, n_p: int, tp_p: int, n_d: int, tp_d: int, same_node: bool,
-                 ttft_slo_ms: float | None, tpot_slo_ms: float | None, seed: int = 0) -> DisaggPlan:
+                 ttft_slo_ms: float | None, tpot_slo_ms: float | None, seed: int = 0,
+                 sample: bool = True) -> DisaggPlan:
         s = self.prefill_s(tp_p)
         xfer = kv_transfer_s(self.spec, self.hw, self.wl.input_len, self.kv_dtype, tp_p, tp_d, same_node)
         lam_p, lam_d = lam / n_p, lam / n_d
@@ -110,18 +111,22 @@ class _Pools:
         lo, hi = self.t_dec(tp_d, 1) * 0.5, self.t_dec(tp_d, slots) * 2
         if lam_d * (out - 1) * hi > slots:
             return bad()
-        for _ in range(40):
+        for _ in range(40):  # Little's law fixed point; a decode sees itself plus the batch (token-weighted B + 1)
             mid = 0.5 * (lo + hi)
-            if self.t_dec(tp_d, max(1.0, lam_d * (out - 1) * mid)) > mid:
+            if self.t_dec(tp_d, min(slots, lam_d * (out - 1) * mid + 1)) > mid:
                 lo = mid
             else:
                 hi = mid
         tau = hi
+        if not sample:  # means only (the closed-loop bisection)
+            t, p = (s + xfer + wait) * 1e3, tau * 1e3
+            return DisaggPlan(n_p, tp_p, n_d, tp_d, xfer * 1e3, Dist(t, t, t, t), Dist(p, p, p, p), lam, lam, True)
         rng = np.random.default_rng(seed)
         waits = np.where(rng.random(SAMPLES) < rho, rng.exponential(wait / max(rho, 1e-9), SAMPLES), 0.0)
         ttft = s + xfer + waits
         b = lam_d * (out - 1) * tau
-        tpot = np.array([self.t_dec(tp_d, max(1.0, x)) for x in rng.normal(b, math.sqrt(max(b, 1e-9)) / 4, 64)])
+        tpot = np.array([self.t_dec(tp_d, min(slots, max(1.0, x + 1)))
+                         for x in rng.normal(b, math.sqrt(max(b, 1e-9)) / 4, 64)])
         tpot = rng.choice(tpot, SAMPLES)
         ok = np.ones(SAMPLES, dtype=bool)
         if ttft_slo_ms is not None:
@@ -168,13 +173,12 @@ def _at_load(pools: _Pools, wl: Workload, n_p: int, tp_p: int, n_d: int, tp_d: i
         lam = wl.request_rate if wl.request_rate is not None else 1.0
         return pools.evaluate(lam, n_p, tp_p, n_d, tp_d, same_node, ttft_slo, tpot_slo)
     lo, hi = 0.0, n_p / pools.prefill_s(tp_p)
-    plan = None
     for _ in range(30):
         mid = 0.5 * (lo + hi)
-        p = pools.evaluate(mid, n_p, tp_p, n_d, tp_d, same_node, ttft_slo, tpot_slo)
+        p = pools.evaluate(mid, n_p, tp_p, n_d, tp_d, same_node, ttft_slo, tpot_slo, sample=False)
         e2e = (p.ttft.mean + p.tpot.mean * (wl.output_len - 1)) / 1e3 if p.stable else math.inf
         if mid * e2e < wl.concurrency:
-            lo, plan = mid, p
+            lo = mid
         else:
             hi = mid
-    return plan or pools.evaluate(max(lo, 1e-9), n_p, tp_p, n_d, tp_d, same_node, ttft_slo, tpot_slo)
+    return pools.evaluate(max(lo, 1e-9), n_p, tp_p, n_d, tp_d, same_node, ttft_slo, tpot_slo)
