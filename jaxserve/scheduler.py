@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from jaxserve.batch import RaggedBatch, build_ragged_batch
 from jaxserve.kv_cache_manager import KVCacheManager
@@ -264,7 +267,7 @@ class Scheduler:
         _, refund = scheduled.pop(victim.request_id, (victim, 0))
         return refund
 
-    def update_after_step(self, batch: RaggedBatch, sampled_token_ids) -> list[Request]:
+    def update_after_step(self, batch: RaggedBatch, sampled_token_ids: Sequence[int] | np.ndarray) -> list[Request]:
         """Record a finished step: advance computed tokens, append samples, cache newly full pages.
 
         `sampled_token_ids` has one entry per sequence of the batch (entries of sequences whose `samples`
