@@ -235,4 +235,5 @@ class LLMEngine:
     def stats(self) -> dict[str, float]:
         """A snapshot of the engine's gauges and counters."""
         return {"num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
-                "kv_usage": self.kv_manager.usage(), **self.counters}
+                "kv_usage": self.kv_manager.usage(), "evicted_pages": self.kv_manager.num_evicted_pages,
+                **self.counters}
