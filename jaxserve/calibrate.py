@@ -12,7 +12,8 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ class CalibrationConfig:
     decode_steps: int = 6
     mixed_decodes: int = 4
     mixed_prompt_len: int = 1024
+    mixed_chunk: int = 256  # step token budget while the long prompt is chunked (page multiple)
     gemm_rows: tuple[int, ...] = (1, 4, 16, 64, 256, 1024)
     bandwidth_bytes: int = 256 * 2**20
     matmul_n: int = 1024
@@ -44,8 +46,8 @@ class CalibrationConfig:
     @classmethod
     def quick(cls) -> CalibrationConfig:
         return cls(prefill_lens=(16, 32), decode_batches=(1, 4), decode_contexts=(16, 64), decode_steps=3,
-                   mixed_decodes=2, mixed_prompt_len=96, gemm_rows=(1, 16, 64), bandwidth_bytes=16 * 2**20,
-                   matmul_n=256, repeats=1)
+                   mixed_decodes=2, mixed_prompt_len=96, mixed_chunk=32, gemm_rows=(1, 16, 64),
+                   bandwidth_bytes=16 * 2**20, matmul_n=256, repeats=1)
 
 
 @dataclass
@@ -148,6 +150,22 @@ def measure_gemm_rows(rows: tuple[int, ...], k: int, n: int, dtype: Any, repeats
 
 
 # Engine steps -----------------------------------------------------------------------------------------------
+@contextmanager
+def step_budget(engine, budget: int) -> Iterator[None]:
+    """Run with the scheduler's step budget and per-request chunk both set to `budget` tokens, then restore.
+
+    Changes `engine.scheduler.config` in place: the engine has no public setter (bench/ENGINE_NEEDS.md).
+    The budget must not exceed the engine's largest token bucket.
+    """
+    sc = engine.scheduler.config
+    old = (sc.max_num_batched_tokens, sc.chunk_size)
+    sc.max_num_batched_tokens = sc.chunk_size = min(budget, engine.config.max_num_batched_tokens)
+    try:
+        yield
+    finally:
+        sc.max_num_batched_tokens, sc.chunk_size = old
+
+
 def timed_step(engine) -> tuple[Any, float]:
     """One engine step: (its StepStats, wall seconds), seconds = nan when the step compiled something."""
     compiled = engine.runner.compile_count()
@@ -303,7 +321,8 @@ def calibrate(engine, cfg: CalibrationConfig | None = None, progress: Progress |
         samples += measure_decode(engine, ids, b, c, cfg.decode_steps)
     say("engine mixed steps (chunked prefill beside decodes)", 0.8)
     prompt = min(cfg.mixed_prompt_len, engine.max_model_len - 1)
-    samples += measure_mixed(engine, ids, min(cfg.mixed_decodes, engine.config.max_num_seqs - 1), prompt)
+    with step_budget(engine, cfg.mixed_chunk):
+        samples += measure_mixed(engine, ids, min(cfg.mixed_decodes, engine.config.max_num_seqs - 1), prompt)
     say("fitting", 0.95)
     # With one model the weight term barely varies between steps, so it is measured: a one-row GEMM at the
     # model's widest shape streams its weight; its bandwidth over the stream bandwidth is weight_bw_eff.

@@ -13,6 +13,7 @@ import click
 from jaxserve.bench.cli import bench
 from jaxserve.calibrate import calibrate_command
 from jaxserve.engine_args import config_from_options, engine_options
+from jaxserve.report import report_command
 from jaxserve.server.cli import serve
 from planner.cli import plan
 
@@ -27,6 +28,7 @@ cli.add_command(plan)
 cli.add_command(serve)
 cli.add_command(bench)
 cli.add_command(calibrate_command)
+cli.add_command(report_command)
 
 
 @cli.command()

@@ -1,0 +1,316 @@
+"""`jaxserve report`: run the runtime, ask the planner about the same configuration, show the error.
+
+On one engine: calibrate (or load `--profile`), a static grid (batch sizes x context lengths), two Poisson
+loads at about 50% and 90% of the planner's predicted capacity, and the `long-prompt` workload with the
+planner's chunk (ITL target 2x the undisturbed TPOT) and without chunking. Every point is predicted by the
+planner on the calibrated profile: the grid by its discrete-event simulator (a static batch is a transient),
+the loads by the closed form (the simulator's figure beside it), the chunked runs by `chunked_prefill_itls`.
+Writes DIR/report.json, DIR/report.md and DIR/report.png (`report_render`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxserve.bench.datasets import DatasetConfig, generate
+from jaxserve.bench.latency import measure_point
+from jaxserve.bench.load import LoadConfig, run_engine
+from jaxserve.bench.results import compute_metrics, finite
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class ReportConfig:
+    """Sizes of every part of the report; defaults take a few minutes for `small` on 2 CPU cores."""
+
+    model: str = "small"
+    dtype: str = "auto"
+    seed: int = 0
+    max_num_seqs: int = 32
+    batch_sizes: tuple[int, ...] = (1, 4, 16)
+    context_lens: tuple[int, ...] = (128, 512)
+    grid_output_len: int = 16
+    load_input_len: int = 256
+    load_output_len: int = 32
+    load_num_prompts: int = 40
+    load_fractions: tuple[float, ...] = (0.5, 0.9)
+    long_prompt_len: int = 4096
+    long_decodes: int = 4
+    long_decode_input: int = 64
+    long_tail_tokens: int = 16
+    quick: bool = False
+
+    @classmethod
+    def quick_config(cls, model: str = "tiny") -> ReportConfig:
+        return cls(model=model, max_num_seqs=8, batch_sizes=(1, 4), context_lens=(16, 64), grid_output_len=4,
+                   load_input_len=32, load_output_len=4, load_num_prompts=6, long_prompt_len=128, long_decodes=2,
+                   long_decode_input=16, long_tail_tokens=4, quick=True)
+
+    @property
+    def budget(self) -> int:
+        """Step token budget: the whole long prompt and its decodes fit in one step (the unchunked run)."""
+        return (self.long_prompt_len + self.long_decodes + 63) // 64 * 64
+
+    def engine_config(self):
+        from jaxserve.engine_config import EngineConfig
+
+        return EngineConfig(model=self.model, dtype=self.dtype, seed=self.seed, max_num_seqs=self.max_num_seqs,
+                            max_num_batched_tokens=self.budget, chunk_size=self.budget)
+
+
+@dataclass
+class Context:
+    """What every part needs: the engine, the model spec, the calibrated hardware and the planner dtype."""
+
+    engine: Any
+    spec: Any
+    hw: Any
+    dtype: str
+    cfg: ReportConfig
+    log: Log = print
+    salt: int = 0
+
+    def next_salt(self) -> str:
+        self.salt += 1
+        return f"report{self.cfg.seed}-{self.salt}"
+
+    def serving_config(self, budget: int | None = None):
+        from planner.serving import ServingConfig
+
+        c = self.engine.config
+        return ServingConfig(max_num_seqs=c.max_num_seqs, chunk_size=budget or self.cfg.budget, page_size=c.page_size,
+                             dtype=self.dtype)
+
+
+def _err(pred: float | None, meas: float | None) -> float | None:
+    if pred is None or meas is None or not meas or not math.isfinite(pred) or not math.isfinite(meas):
+        return None
+    return 100.0 * (pred - meas) / meas
+
+
+def _row(kind: str, config: dict[str, Any], pred: dict[str, float | None], meas: dict[str, float | None],
+         **extra: Any) -> dict[str, Any]:
+    row: dict[str, Any] = {"kind": kind, "config": config}
+    for k in ("ttft_ms", "tpot_ms", "throughput"):
+        row[f"predicted_{k}"] = pred.get(k)
+        row[f"measured_{k}"] = meas.get(k)
+        row[f"{k.split('_')[0]}_error_pct"] = _err(pred.get(k), meas.get(k))
+    row.update(extra)
+    return row
+
+
+# Grid ---------------------------------------------------------------------------------------------------------
+def run_grid(ctx: Context) -> list[dict[str, Any]]:
+    """Static batches: measured vs the planner's simulation of the same batch on the same scheduler budget."""
+    from planner.serving import Workload
+    from planner.simulate import simulate
+
+    cfg = ctx.cfg
+    measure_point(ctx.engine, 1, min(cfg.context_lens), 2, seed=cfg.seed + 999, salt=ctx.next_salt())
+    rows = []
+    for b in cfg.batch_sizes:
+        for c in cfg.context_lens:
+            p = measure_point(ctx.engine, b, c, cfg.grid_output_len, seed=cfg.seed + b * 7919 + c,
+                              salt=ctx.next_salt())
+            sim = simulate(ctx.spec, ctx.hw, Workload(input_len=c, output_len=cfg.grid_output_len, concurrency=b),
+                           ctx.serving_config(), num_requests=b, warmup_fraction=0.0)
+            step = _decode_step_ms(ctx, b, c + cfg.grid_output_len / 2)
+            rows.append(_row("grid", {"batch_size": b, "context_len": c, "output_len": cfg.grid_output_len},
+                             {"ttft_ms": sim.ttft.mean, "tpot_ms": sim.tpot.mean,
+                              "throughput": sim.output_tokens_per_s},
+                             {"ttft_ms": p.ttft_ms, "tpot_ms": p.tpot_ms, "throughput": p.output_throughput},
+                             predicted_decode_step_ms=step, measured_decode_step_ms=p.decode_step_ms))
+            ctx.log(f"grid {b:>3} x {c:>5}: TPOT {p.tpot_ms:7.2f} ms (pred {sim.tpot.mean:7.2f}), "
+                    f"TTFT {p.ttft_ms:8.1f} ms (pred {sim.ttft.mean:8.1f})")
+    return rows
+
+
+def _decode_step_ms(ctx: Context, batch: int, context: float) -> float:
+    from planner.step_model import decode_shape, step_time_shape
+
+    return step_time_shape(ctx.spec, ctx.hw, decode_shape(batch, context), dtype=ctx.dtype).total_ms
+
+
+# Online loads -------------------------------------------------------------------------------------------------
+def run_loads(ctx: Context) -> list[dict[str, Any]]:
+    """Poisson loads at fractions of the planner's predicted capacity."""
+    from planner.serving import Workload, predict_serving
+    from planner.simulate import simulate
+
+    cfg = ctx.cfg
+    wl = Workload(input_len=cfg.load_input_len, output_len=cfg.load_output_len)
+    base = predict_serving(ctx.spec, ctx.hw, replace(wl, request_rate=1.0), ctx.serving_config())
+    capacity = base.capacity_requests_per_s
+    rows = []
+    for frac in cfg.load_fractions:
+        rate = frac * capacity
+        w = replace(wl, request_rate=rate)
+        pred = predict_serving(ctx.spec, ctx.hw, w, ctx.serving_config())
+        sim = simulate(ctx.spec, ctx.hw, w, ctx.serving_config(), num_requests=cfg.load_num_prompts,
+                       seed=cfg.seed, warmup_fraction=0.0)
+        reqs = generate(DatasetConfig(name="random", num_prompts=cfg.load_num_prompts, input_len=cfg.load_input_len,
+                                      output_len=cfg.load_output_len, seed=cfg.seed + int(frac * 100)),
+                        ctx.spec.vocab_size, _avoid(ctx))
+        run = run_engine(ctx.engine, reqs, LoadConfig(request_rate=rate, seed=cfg.seed), salt=ctx.next_salt())
+        m = compute_metrics(run.records, run.duration)
+        rows.append(_row("load", {"load_fraction": frac, "request_rate": rate, "input_len": cfg.load_input_len,
+                                  "output_len": cfg.load_output_len, "num_prompts": cfg.load_num_prompts},
+                         {"ttft_ms": pred.ttft.mean, "tpot_ms": pred.tpot.mean, "throughput": pred.output_tokens_per_s},
+                         {"ttft_ms": m["mean_ttft_ms"], "tpot_ms": m["mean_tpot_ms"],
+                          "throughput": m["output_throughput"]},
+                         predicted_capacity_rps=capacity, simulated_ttft_ms=sim.ttft.mean,
+                         simulated_tpot_ms=sim.tpot.mean, measured_p99_ttft_ms=m["p99_ttft_ms"],
+                         predicted_p99_ttft_ms=pred.ttft.p99, completed=m["completed"], failed=m["failed"]))
+        ctx.log(f"load {frac:.0%} of {capacity:.2f} req/s: TTFT {m['mean_ttft_ms']:.1f} ms (pred {pred.ttft.mean:.1f},"
+                f" sim {sim.ttft.mean:.1f}), TPOT {m['mean_tpot_ms']:.2f} ms (pred {pred.tpot.mean:.2f})")
+    return rows
+
+
+def _avoid(ctx: Context) -> tuple[int, ...]:
+    eos = ctx.spec.eos_token_id
+    return (eos,) if eos is not None else ()
+
+
+# Summary, orchestration, command ------------------------------------------------------------------------------
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median absolute errors (%) over the grid and load rows, per metric and per kind, and the chunked targets."""
+
+    def med(kinds: tuple[str, ...], key: str) -> float | None:
+        errs = [abs(r[key]) for r in rows if r["kind"] in kinds and r.get(key) is not None]
+        return float(np.median(errs)) if errs else None
+
+    out: dict[str, Any] = {
+        "median_abs_error_ttft_pct": med(("grid", "load"), "ttft_error_pct"),
+        "median_abs_error_tpot_pct": med(("grid", "load"), "tpot_error_pct"),
+        "median_abs_error_throughput_pct": med(("grid", "load"), "throughput_error_pct"),
+        "grid": {"ttft": med(("grid",), "ttft_error_pct"), "tpot": med(("grid",), "tpot_error_pct")},
+        "load": {"ttft": med(("load",), "ttft_error_pct"), "tpot": med(("load",), "tpot_error_pct")},
+        "targets": {"tpot_pct": 10.0, "ttft_pct": 15.0, "chunked_p99_over_undisturbed": 2.0,
+                    "unchunked_stall_over_undisturbed": 5.0, "chunked_prediction_pct": 20.0},
+    }
+    chunked = {r["config"]["mode"]: r for r in rows if r["kind"] == "chunked-prefill"}
+    if "chunked" in chunked and "unchunked" in chunked:
+        c, u = chunked["chunked"], chunked["unchunked"]
+        out["chunked_prefill"] = {
+            "chunk_step_budget": c["config"]["step_budget"],
+            "measured_p99_over_undisturbed": c["measured_p99_over_undisturbed"],
+            "predicted_p99_over_undisturbed": c["predicted_p99_over_undisturbed"],
+            "measured_unchunked_max_over_undisturbed": u["measured_max_over_undisturbed"],
+            "predicted_unchunked_max_over_undisturbed": u["predicted_max_over_undisturbed"],
+            "chunked_p99_error_pct": c["p99_itl_error_pct"], "unchunked_max_error_pct": u["max_itl_error_pct"]}
+    t = out["targets"]
+    out["met"] = {
+        "tpot": out["median_abs_error_tpot_pct"] is not None and out["median_abs_error_tpot_pct"] <= t["tpot_pct"],
+        "ttft": out["median_abs_error_ttft_pct"] is not None and out["median_abs_error_ttft_pct"] <= t["ttft_pct"]}
+    if "chunked_prefill" in out:
+        cp = out["chunked_prefill"]
+        out["met"].update({
+            "chunked_p99": cp["measured_p99_over_undisturbed"] <= t["chunked_p99_over_undisturbed"],
+            "unchunked_stall": cp["measured_unchunked_max_over_undisturbed"] >= t["unchunked_stall_over_undisturbed"],
+            "chunked_prediction": all(e is not None and abs(e) <= t["chunked_prediction_pct"]
+                                      for e in (cp["chunked_p99_error_pct"], cp["unchunked_max_error_pct"]))})
+    return out
+
+
+def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = None, log: Log = print) -> dict[str, Any]:
+    """Build the engine, calibrate (or load `profile`), run every part, write json/md/png into `out_dir`."""
+    from jaxserve.calibrate import CalibrationConfig, calibrate, planner_dtype
+    from jaxserve.engine import LLMEngine
+    from jaxserve.report_chunked import run_chunked
+    from jaxserve.report_render import write_markdown, write_plot
+    from planner.hardware import load_hardware
+
+    t0 = time.monotonic()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    engine = LLMEngine(cfg.engine_config())
+    log(f"engine ready in {time.monotonic() - t0:.0f} s (budget {cfg.budget} tokens, buckets "
+        f"{engine.runner.token_buckets})")
+    calibration = None
+    if profile:
+        hw = load_hardware(profile)
+    else:
+        cal = calibrate(engine, CalibrationConfig.quick() if cfg.quick else CalibrationConfig(),
+                        lambda phase, frac: None, seed=cfg.seed)
+        cal.save(out / "profile.json")
+        hw = cal.hardware
+        calibration = {"seconds": cal.seconds, "median_abs_error": cal.fit.median_abs_error,
+                       "max_abs_error": cal.fit.max_abs_error, "samples": len(cal.samples),
+                       "profile": str(out / "profile.json")}
+        log(f"calibrated in {cal.seconds:.0f} s: step fit median |error| {cal.fit.median_abs_error:.1%}")
+    ctx = Context(engine=engine, spec=engine.spec, hw=hw, dtype=planner_dtype(engine.dtype), cfg=cfg, log=log)
+    rows = run_grid(ctx) + run_loads(ctx) + run_chunked(ctx)
+    report = {"model": cfg.model, "dtype": ctx.dtype, "hardware": hw.name, "profile": profile,
+              "coefficients": hw.coefficients.to_dict(), "calibration": calibration,
+              "engine": {"max_num_seqs": engine.config.max_num_seqs, "step_budget": cfg.budget,
+                         "page_size": engine.config.page_size, "token_buckets": list(engine.runner.token_buckets)},
+              "config": asdict(cfg), "rows": rows, "summary": summarize(rows),
+              "seconds": time.monotonic() - t0, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    report = finite(report)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_markdown(report, out / "report.md")
+    write_plot(report, out / "report.png")
+    return report
+
+
+def _command():
+    import click
+
+    @click.command("report")
+    @click.option("--model", default="small", show_default=True, help="Preset or HF checkpoint folder.")
+    @click.option("--dtype", default="auto", show_default=True,
+                  type=click.Choice(["auto", "float32", "bfloat16", "float16"]))
+    @click.option("--profile", default=None, type=click.Path(exists=True, dir_okay=False),
+                  help="A calibrated hardware profile (default: calibrate now, into DIR/profile.json).")
+    @click.option("--out", "out_dir", default="reports/report", show_default=True, type=click.Path(file_okay=False))
+    @click.option("--quick", is_flag=True, help="Tiny sizes everywhere (tests, smoke runs).")
+    @click.option("--seed", default=0, show_default=True, type=int)
+    @click.option("--batch-sizes", default=None, help="Grid batch sizes, comma-separated.")
+    @click.option("--context-lens", default=None, help="Grid context lengths, comma-separated.")
+    @click.option("--long-prompt-len", default=None, type=click.IntRange(min=16))
+    @click.option("--load-num-prompts", default=None, type=click.IntRange(min=2))
+    def report_command(model: str, dtype: str, profile: str | None, out_dir: str, quick: bool, seed: int,
+                       batch_sizes: str | None, context_lens: str | None, long_prompt_len: int | None,
+                       load_num_prompts: int | None) -> None:
+        """Measured vs predicted: calibrate, grid, two loads, chunked prefill; DIR/report.{json,md,png}."""
+        cfg = ReportConfig.quick_config(model) if quick else ReportConfig(model=model)
+        cfg = replace(cfg, dtype=dtype, seed=seed)
+        try:
+            if batch_sizes:
+                cfg = replace(cfg, batch_sizes=tuple(int(v) for v in batch_sizes.split(",")))
+                cfg = replace(cfg, max_num_seqs=max(cfg.max_num_seqs, *cfg.batch_sizes))
+            if context_lens:
+                cfg = replace(cfg, context_lens=tuple(int(v) for v in context_lens.split(",")))
+        except ValueError:
+            raise click.UsageError("--batch-sizes and --context-lens take comma-separated integers") from None
+        if long_prompt_len:
+            cfg = replace(cfg, long_prompt_len=long_prompt_len)
+        if load_num_prompts:
+            cfg = replace(cfg, load_num_prompts=load_num_prompts)
+        try:
+            report = run_report(cfg, out_dir, profile, log=lambda m: click.echo(m, err=True))
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+        s = report["summary"]
+        click.echo(Path(out_dir, "report.md").read_text())
+        click.echo(f"median |error|: TTFT {_fmt(s['median_abs_error_ttft_pct'])}%, "
+                   f"TPOT {_fmt(s['median_abs_error_tpot_pct'])}% "
+                   f"-> {out_dir}/report.json, report.md, report.png ({report['seconds']:.0f} s)")
+
+    return report_command
+
+
+report_command = _command()
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"

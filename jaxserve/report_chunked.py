@@ -1,0 +1,96 @@
+"""The report's chunked-prefill part: decodes running while a long prompt arrives, with and without chunking.
+
+The planner picks the chunk (`choose_chunk_size`) for an ITL target of 2x its predicted undisturbed TPOT; the
+runtime runs the `long-prompt` workload with that step budget, then with a budget that takes the whole prompt
+in one step. Each gap between two tokens of a running decode is attributed to the engine step that produced
+the later token: gaps of steps without prefill give the undisturbed TPOT, all gaps give p99 and max ITL.
+The prediction builds the same gap list from `chunked_prefill_itls` (page-aligned chunks, as the runtime cuts).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Any
+
+import numpy as np
+
+from jaxserve.bench.datasets import DatasetConfig, generate
+from jaxserve.bench.load import LoadConfig, RunResult, run_engine
+from jaxserve.calibrate import step_budget
+
+WARM_TOKENS = 8
+
+
+def decode_gaps(run: RunResult) -> tuple[list[float], list[float]]:
+    """(all gaps, gaps of steps without prefill) of the `decode` requests, in ms."""
+    ends = [s.end for s in run.steps]
+    all_gaps, quiet = [], []
+    for rec, times in zip(run.records, run.token_times, strict=True):
+        if rec.role != "decode":
+            continue
+        for a, b in zip(times, times[1:], strict=False):
+            k = min(bisect.bisect_left(ends, b - 1e-9), len(ends) - 1)
+            gap = (b - a) * 1e3
+            all_gaps.append(gap)
+            if run.steps[k].num_prefill_tokens == 0:
+                quiet.append(gap)
+    return all_gaps, quiet
+
+
+def _predicted_gaps(undisturbed_ms: float, stalls_ms: list[float], gaps_per_request: int) -> list[float]:
+    return [undisturbed_ms] * max(0, gaps_per_request - len(stalls_ms)) + stalls_ms
+
+
+def run_chunked(ctx) -> list[dict[str, Any]]:
+    """Rows for the chunked and the unchunked long-prompt runs (see the module docstring)."""
+    from planner.api import choose_chunk_size, chunked_prefill_itls
+    from planner.step_model import decode_shape, step_time_shape
+
+    cfg, engine = ctx.cfg, ctx.engine
+    d, length, page = cfg.long_decodes, cfg.long_prompt_len, engine.config.page_size
+    context = cfg.long_decode_input + WARM_TOKENS
+    kw = dict(decode_batch=d, context_len=context, dtype=ctx.dtype)
+    undisturbed = step_time_shape(ctx.spec, ctx.hw, decode_shape(d, context), dtype=ctx.dtype).total_ms
+    target = 2 * undisturbed
+    choice = choose_chunk_size(ctx.spec, ctx.hw, target, prompt_len=length, page_size=page, **kw)
+    per_step = max(page, (choice.chunk_size - d) // page * page)  # the runtime's page-aligned prefill per step
+    rows = []
+    for label, budget, prefill in (("chunked", choice.chunk_size, per_step), ("unchunked", cfg.budget, length)):
+        stalls = [t * 1e3 for t in chunked_prefill_itls(ctx.spec, ctx.hw, length, prefill + d, **kw)]
+        out_len = WARM_TOKENS + math.ceil(length / prefill) + cfg.long_tail_tokens
+        reqs = generate(DatasetConfig(name="long-prompt", num_prompts=d + 1, input_len=cfg.long_decode_input,
+                                      output_len=out_len, long_prompt_len=length, warm_tokens=WARM_TOKENS,
+                                      seed=cfg.seed + budget), ctx.spec.vocab_size, ())
+        with step_budget(engine, budget):
+            run = run_engine(engine, reqs, LoadConfig(), salt=ctx.next_salt())
+        gaps, quiet = decode_gaps(run)
+        pred_gaps = _predicted_gaps(undisturbed, stalls, out_len - 1)
+        long_rec = next(r for r in run.records if r.role == "long")
+        meas = {"undisturbed": float(np.median(quiet)) if quiet else math.nan,
+                "p99": float(np.percentile(gaps, 99)) if gaps else math.nan, "max": max(gaps, default=math.nan)}
+        pred = {"undisturbed": undisturbed, "p99": float(np.percentile(pred_gaps, 99)), "max": max(pred_gaps)}
+        row = {"kind": "chunked-prefill", "config": {
+            "mode": label, "step_budget": budget, "prefill_tokens_per_step": prefill, "prompt_len": length,
+            "decodes": d, "decode_context": context, "itl_target_ms": target},
+            "predicted_ttft_ms": sum(stalls), "measured_ttft_ms": long_rec.ttft * 1e3 if long_rec.success else None,
+            "predicted_tpot_ms": pred["undisturbed"], "measured_tpot_ms": meas["undisturbed"],
+            "predicted_throughput": None, "measured_throughput": None}
+        for k in ("undisturbed", "p99", "max"):
+            row[f"predicted_{k}_itl_ms"] = pred[k]
+            row[f"measured_{k}_itl_ms"] = meas[k]
+            row[f"{k}_itl_error_pct"] = 100 * (pred[k] - meas[k]) / meas[k] if meas[k] else None
+        row["measured_p99_over_undisturbed"] = meas["p99"] / meas["undisturbed"]
+        row["measured_max_over_undisturbed"] = meas["max"] / meas["undisturbed"]
+        row["predicted_p99_over_undisturbed"] = pred["p99"] / pred["undisturbed"]
+        row["predicted_max_over_undisturbed"] = pred["max"] / pred["undisturbed"]
+        row["ttft_error_pct"] = (100 * (row["predicted_ttft_ms"] - row["measured_ttft_ms"]) / row["measured_ttft_ms"]
+                                 if row["measured_ttft_ms"] else None)
+        row["tpot_error_pct"] = row["undisturbed_itl_error_pct"]
+        row["throughput_error_pct"] = None
+        row["measured_gaps_ms"] = [round(g, 3) for g in gaps]
+        rows.append(row)
+        ctx.log(f"long prompt {length} {label} (budget {budget}): undisturbed {meas['undisturbed']:.1f} ms "
+                f"(pred {undisturbed:.1f}), p99 ITL {meas['p99']:.1f} (pred {pred['p99']:.1f}), "
+                f"max {meas['max']:.1f} (pred {pred['max']:.1f})")
+    return rows

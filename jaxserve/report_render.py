@@ -1,0 +1,118 @@
+"""Render a report dict (see `jaxserve.report`) as markdown tables and a three-panel PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _f(v: Any, fmt: str = ".1f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def _pct(v: Any) -> str:
+    return "-" if v is None else f"{v:+.1f}%"
+
+
+def write_markdown(report: dict[str, Any], path: str | Path) -> None:
+    """report.md: summary, then one table per kind of row."""
+    s = report["summary"]
+    rows = report["rows"]
+    lines = [f"# jaxserve report: {report['model']} ({report['dtype']}) on {report['hardware']}", "",
+             f"{report['date']}, {report['seconds']:.0f} s; engine step budget {report['engine']['step_budget']} "
+             f"tokens, max_num_seqs {report['engine']['max_num_seqs']}.", ""]
+    cal = report.get("calibration")
+    if cal:
+        lines += [f"Calibrated in {cal['seconds']:.0f} s over {cal['samples']} engine steps "
+                  f"(step fit median |error| {100 * cal['median_abs_error']:.1f}%), profile `{cal['profile']}`.", ""]
+    lines += ["## Summary", "", "| metric | median abs error | target | met |", "|---|---|---|---|",
+              f"| TPOT (grid + loads) | {_f(s['median_abs_error_tpot_pct'])}% | <= 10% | {s['met']['tpot']} |",
+              f"| TTFT (grid + loads) | {_f(s['median_abs_error_ttft_pct'])}% | <= 15% | {s['met']['ttft']} |",
+              f"| throughput | {_f(s['median_abs_error_throughput_pct'])}% | | |", ""]
+    cp = s.get("chunked_prefill")
+    if cp:
+        lines += [f"Chunked prefill (planner chunk: step budget {cp['chunk_step_budget']}): p99 ITL / undisturbed "
+                  f"TPOT measured {cp['measured_p99_over_undisturbed']:.2f}x (predicted "
+                  f"{cp['predicted_p99_over_undisturbed']:.2f}x, target <= 2x: {s['met']['chunked_p99']}); "
+                  f"unchunked stall {cp['measured_unchunked_max_over_undisturbed']:.1f}x (predicted "
+                  f"{cp['predicted_unchunked_max_over_undisturbed']:.1f}x, target >= 5x: {s['met']['unchunked_stall']})"
+                  f"; predictions within 20%: {s['met']['chunked_prediction']}.", ""]
+    lines += ["## Static grid", "", "| batch | context | TTFT pred | TTFT meas | err | TPOT pred | TPOT meas | err "
+              "| tok/s pred | tok/s meas | err |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["kind"] == "grid":
+            c = r["config"]
+            lines.append(f"| {c['batch_size']} | {c['context_len']} | {_f(r['predicted_ttft_ms'])} | "
+                         f"{_f(r['measured_ttft_ms'])} | {_pct(r['ttft_error_pct'])} | "
+                         f"{_f(r['predicted_tpot_ms'], '.2f')} | {_f(r['measured_tpot_ms'], '.2f')} | "
+                         f"{_pct(r['tpot_error_pct'])} | "
+                         f"{_f(r['predicted_throughput'])} | {_f(r['measured_throughput'])} | "
+                         f"{_pct(r['throughput_error_pct'])} |")
+    lines += ["", "## Online loads (Poisson)", "",
+              "| load | req/s | TTFT pred | TTFT sim | TTFT meas | err | TPOT pred | TPOT sim | TPOT meas | err "
+              "| tok/s pred | tok/s meas |", "|" + "---|" * 12]
+    for r in rows:
+        if r["kind"] == "load":
+            c = r["config"]
+            lines.append(f"| {c['load_fraction']:.0%} | {c['request_rate']:.2f} | {_f(r['predicted_ttft_ms'])} | "
+                         f"{_f(r.get('simulated_ttft_ms'))} | {_f(r['measured_ttft_ms'])} | {_pct(r['ttft_error_pct'])}"
+                         f" | {_f(r['predicted_tpot_ms'], '.2f')} | {_f(r.get('simulated_tpot_ms'), '.2f')} | "
+                         f"{_f(r['measured_tpot_ms'], '.2f')} | {_pct(r['tpot_error_pct'])} | "
+                         f"{_f(r['predicted_throughput'])} | {_f(r['measured_throughput'])} |")
+    lines += ["", "## Chunked prefill (decodes running while a long prompt arrives)", "",
+              "| mode | step budget | prefill/step | undisturbed pred | meas | p99 ITL pred | meas | max ITL pred "
+              "| meas | long TTFT pred | meas |", "|" + "---|" * 11]
+    for r in rows:
+        if r["kind"] == "chunked-prefill":
+            c = r["config"]
+            lines.append(f"| {c['mode']} | {c['step_budget']} | {c['prefill_tokens_per_step']} | "
+                         f"{_f(r['predicted_undisturbed_itl_ms'])} | {_f(r['measured_undisturbed_itl_ms'])} | "
+                         f"{_f(r['predicted_p99_itl_ms'])} | {_f(r['measured_p99_itl_ms'])} | "
+                         f"{_f(r['predicted_max_itl_ms'])} | {_f(r['measured_max_itl_ms'])} | "
+                         f"{_f(r['predicted_ttft_ms'])} | {_f(r['measured_ttft_ms'])} |")
+    lines += ["", "Errors are (predicted - measured) / measured. Grid predictions: the planner's discrete-event "
+              "simulator of the same static batch; loads: its closed form (the simulator's figure beside it).", ""]
+    Path(path).write_text("\n".join(lines))
+
+
+def write_plot(report: dict[str, Any], path: str | Path) -> None:
+    """report.png: TPOT vs batch size per context; TTFT vs load; decode ITLs beside a long prompt."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    ax = axes[0]
+    grid = [r for r in rows if r["kind"] == "grid"]
+    for k, ctx in enumerate(sorted({r["config"]["context_len"] for r in grid})):
+        pts = sorted((r for r in grid if r["config"]["context_len"] == ctx), key=lambda r: r["config"]["batch_size"])
+        b = [r["config"]["batch_size"] for r in pts]
+        color = f"C{k}"
+        ax.plot(b, [r["measured_tpot_ms"] for r in pts], "o-", color=color, label=f"measured, ctx {ctx}")
+        ax.plot(b, [r["predicted_tpot_ms"] for r in pts], "x--", color=color, label=f"predicted, ctx {ctx}")
+    ax.set(xscale="log", xlabel="batch size", ylabel="TPOT (ms)", title="Static batches: TPOT")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    loads = sorted((r for r in rows if r["kind"] == "load"), key=lambda r: r["config"]["load_fraction"])
+    x = [r["config"]["request_rate"] for r in loads]
+    ax.plot(x, [r["measured_ttft_ms"] for r in loads], "o-", label="measured")
+    ax.plot(x, [r["predicted_ttft_ms"] for r in loads], "x--", label="predicted (closed form)")
+    ax.plot(x, [r.get("simulated_ttft_ms") for r in loads], "s:", label="predicted (simulation)")
+    ax.set(xlabel="request rate (req/s)", ylabel="mean TTFT (ms)", title="Online load: TTFT")
+    ax.legend(fontsize=8)
+    ax = axes[2]
+    for k, r in enumerate(r for r in rows if r["kind"] == "chunked-prefill"):
+        color = f"C{k}"
+        mode, budget = r["config"]["mode"], r["config"]["step_budget"]
+        ax.plot(r.get("measured_gaps_ms") or [], ".", color=color, ms=3, label=f"{mode} (budget {budget}) measured")
+        if r.get("predicted_max_itl_ms") is not None:
+            ax.axhline(r["predicted_max_itl_ms"], color=color, ls="--", lw=1, label=f"{mode} predicted max")
+    ax.set(yscale="log", xlabel="decode gap (request-major order)", ylabel="ITL (ms)",
+           title="Decodes beside a long prompt")
+    ax.legend(fontsize=7)
+    fig.suptitle(f"{report['model']} on {report['hardware']}: measured vs predicted")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
