@@ -12,17 +12,24 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from jaxserve.calibrate_steps import (
+    PromptSource,
+    StepSample,
+    measure_decode,
+    measure_mixed,
+    measure_prefill,
+    step_budget,
+)
 from planner.calibration import Sample, fit_coefficients
 from planner.hardware import CATALOG, GIGA, Hardware
-from planner.step_model import StepShape, decode_shape, prefill_shape, step_time_shape
+from planner.step_model import step_time_shape
 
 Progress = Callable[[str, float], None]  # (phase description, fraction of the whole done)
 
@@ -48,15 +55,6 @@ class CalibrationConfig:
         return cls(prefill_lens=(16, 32), decode_batches=(1, 4), decode_contexts=(16, 64), decode_steps=3,
                    mixed_decodes=2, mixed_prompt_len=96, mixed_chunk=32, gemm_rows=(1, 16, 64),
                    bandwidth_bytes=16 * 2**20, matmul_n=256, repeats=1)
-
-
-@dataclass
-class StepSample:
-    """One measured engine step: its shape, wall time (s) and kind (prefill | decode | mixed)."""
-
-    shape: StepShape
-    seconds: float
-    kind: str = "step"
 
 
 @dataclass
@@ -150,120 +148,6 @@ def measure_gemm_rows(rows: tuple[int, ...], k: int, n: int, dtype: Any, repeats
 
 
 # Engine steps -----------------------------------------------------------------------------------------------
-@contextmanager
-def step_budget(engine, budget: int) -> Iterator[None]:
-    """Run with the scheduler's step budget and per-request chunk both set to `budget` tokens, then restore.
-
-    Changes `engine.scheduler.config` in place: the engine has no public setter (bench/ENGINE_NEEDS.md).
-    The budget must not exceed the engine's largest token bucket.
-    """
-    sc = engine.scheduler.config
-    old = (sc.max_num_batched_tokens, sc.chunk_size)
-    sc.max_num_batched_tokens = sc.chunk_size = min(budget, engine.config.max_num_batched_tokens)
-    try:
-        yield
-    finally:
-        sc.max_num_batched_tokens, sc.chunk_size = old
-
-
-def timed_step(engine) -> tuple[Any, float]:
-    """One engine step: (its StepStats, wall seconds), seconds = nan when the step compiled something."""
-    compiled = engine.runner.compile_count()
-    t0 = time.perf_counter()
-    engine.step()
-    dt = time.perf_counter() - t0
-    return engine.last_step, (dt if engine.runner.compile_count() == compiled else math.nan)
-
-
-def _drive(engine, on_step: Callable[[Any, float], None]) -> None:
-    """Step the engine until idle; `on_step(stats, seconds)` after each step that did not compile."""
-    while engine.has_unfinished_requests():
-        stats, dt = timed_step(engine)
-        if stats is not None and math.isfinite(dt):
-            on_step(stats, dt)
-
-
-class _Ids:
-    """Fresh random prompts (no prefix-cache hits) and request ids."""
-
-    def __init__(self, engine, seed: int) -> None:
-        self.rng = np.random.default_rng(seed)
-        self.vocab = engine.spec.vocab_size
-        self.n = 0
-
-    def prompt(self, n: int) -> list[int]:
-        return self.rng.integers(0, self.vocab, size=n).tolist()
-
-    def rid(self) -> str:
-        self.n += 1
-        return f"calib-{self.n}"
-
-
-def _params(n: int):
-    from jaxserve.sampling_params import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
-def measure_prefill(engine, ids: _Ids, lens: tuple[int, ...], repeats: int) -> list[StepSample]:
-    """Lone prefills of each length (one step each when it fits the budget)."""
-    samples = []
-    for n in lens:
-        times: list[float] = []
-        for _ in range(repeats):
-            engine.add_request(ids.rid(), ids.prompt(n), _params(1))
-            _drive(engine, lambda s, dt, n=n, times=times: times.append(dt) if s.num_prefill_tokens == n else None)
-        if times:
-            samples.append(StepSample(prefill_shape(n, 0), min(times), "prefill"))
-    return samples
-
-
-def measure_decode(engine, ids: _Ids, batch: int, context: int, steps: int) -> list[StepSample]:
-    """`batch` sequences of `context` prompt tokens decoding together: one sample, the median pure decode step."""
-    times: list[float] = []
-    contexts: list[int] = []
-    drawn = [0]  # tokens each sequence had drawn before the step
-
-    def record(s, dt: float) -> None:
-        if s.num_prefill_tokens == 0 and s.num_decode_tokens == batch:
-            times.append(dt)
-            contexts.append(context + drawn[0])
-            drawn[0] += 1
-        elif s.num_prefill_tokens:
-            drawn[0] = 1
-
-    for _ in range(batch):
-        engine.add_request(ids.rid(), ids.prompt(context), _params(steps + 1))
-    _drive(engine, record)
-    if not times:
-        return []
-    return [StepSample(decode_shape(batch, float(np.mean(contexts))), float(np.median(times)), "decode")]
-
-
-def measure_mixed(engine, ids: _Ids, decodes: int, prompt_len: int) -> list[StepSample]:
-    """`decodes` running sequences while one `prompt_len` prompt is prefilled in chunks beside them."""
-    samples: list[StepSample] = []
-    ctx, drawn, computed = 32, 0, 0
-    running = [ids.rid() for _ in range(decodes)]
-    for rid in running:
-        engine.add_request(rid, ids.prompt(ctx), _params(engine.max_model_len - ctx))
-    while engine.has_unfinished_requests() and drawn < 2:  # prefill the decodes, then one decode step
-        stats, _ = timed_step(engine)
-        drawn += stats.num_prefill_tokens == 0
-    engine.add_request(ids.rid(), ids.prompt(prompt_len), _params(1))
-    while computed < prompt_len and engine.has_unfinished_requests():
-        s, dt = timed_step(engine)
-        drawn += 1
-        if s.num_prefill_tokens and s.num_decode_tokens == decodes and math.isfinite(dt):
-            shape = decode_shape(decodes, ctx + drawn) + prefill_shape(s.num_prefill_tokens, computed)
-            samples.append(StepSample(shape, dt, "mixed"))
-        computed += s.num_prefill_tokens
-    for rid in running:
-        engine.abort_request(rid)
-    _drive(engine, lambda s, dt: None)
-    return samples
-
-
 def local_hardware(memory_bw: float, peak: float, dtype: str) -> tuple[Hardware, str]:
     """A `Hardware` for the local device with measured peak and bandwidth; links from the catalog if known."""
     import jax
@@ -307,7 +191,7 @@ def calibrate(engine, cfg: CalibrationConfig | None = None, progress: Progress |
     say("GEMM rows", 0.1)
     gemm = measure_gemm_rows(cfg.gemm_rows, spec.hidden_size, 2 * spec.intermediate_size, engine.dtype)
     hw, device = local_hardware(bw, peak, dtype)
-    ids = _Ids(engine, seed)
+    ids = PromptSource(engine, seed)
     budget = min(engine.config.max_num_batched_tokens, engine.config.chunk_size)
     samples: list[StepSample] = []
     say("engine warm-up", 0.12)

@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxserve.bench.datasets import DatasetConfig, generate
 from jaxserve.bench.load import LoadConfig, RunResult, run_engine
-from jaxserve.calibrate import step_budget
+from jaxserve.calibrate_steps import step_budget
 
 WARM_TOKENS = 8
 
