@@ -149,3 +149,13 @@ def test_synthetic_init_is_seeded_and_not_degenerate():
         ids.append(int(jnp.argmax(last_logits(params, padded, jnp.int32(len(ids))))))
     generated = ids[17:]
     assert len(set(generated)) >= 4, generated
+
+
+def test_sharded_load_on_a_mesh(hf_folder):
+    model, spec, folder = hf_folder
+    mesh = jax.make_mesh((1,), ("tp",))
+    loaded = load_checkpoint(folder / "hf", load_model_spec(str(folder / "hf")), "float32", mesh=mesh)
+    qkv = loaded.layers[0].attn.qkv[...]
+    assert isinstance(qkv.sharding, jax.sharding.NamedSharding) and qkv.sharding.spec == partition_spec(
+        "layers.0.attn.qkv")
+    assert_same_params(model, loaded)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,6 +177,7 @@ def load_hf_checkpoint(folder: str | Path, spec: ModelSpec | None = None, dtype:
     """
     folder = Path(folder)
     spec = spec or load_model_spec(str(folder))
+    _warn_unsupported(folder)
     abstract = abstract_model(spec, dtype)
     graphdef, state = nnx.split(abstract)
     flat = {_path_str(p): leaf.get_value() for p, leaf in nnx.to_flat_state(state)}
@@ -201,13 +203,23 @@ def load_hf_checkpoint(folder: str | Path, spec: ModelSpec | None = None, dtype:
         if any(s + n > m for s, n, m in zip(start, value.shape, target.shape, strict=True)):
             raise CheckpointError(f"{folder}: tensor {name!r} {tuple(w.shape)} does not fit {path} "
                                   f"{tuple(target.shape)}")
-        params[path] = _write_donated(params[path], value, start)
+        params[path] = _write_donated(params[path], _place(value, path, mesh), start)
         filled[path] += value.size
         del w, value
     missing = [p for p, leaf in flat.items() if filled[p] != int(np.prod(leaf.shape))]
     if missing:
         raise CheckpointError(f"{folder}: parameters missing or incomplete: {', '.join(missing)}")
     return _merge(graphdef, state, params)
+
+
+def _warn_unsupported(folder: Path) -> None:
+    """Warn about config features the model ignores (sliding-window attention)."""
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    window = config.get("sliding_window")
+    if window and config.get("use_sliding_window", True) and window < config.get("max_position_embeddings", 0):
+        warnings.warn(f"{folder}: sliding_window={window} is not implemented; attention is full, so outputs differ "
+                      f"from the reference past {window} tokens", stacklevel=3)
 
 
 def load_checkpoint(folder: str | Path, spec: ModelSpec | None = None, dtype: jnp.dtype | str = "auto",
