@@ -59,7 +59,7 @@ async def _one(client, url: str, model: str, req: SampleRequest, arrival: float,
 
 
 async def _run(base_url: str, model: str | None, requests: Sequence[SampleRequest], load: LoadConfig,
-               timeout_s: float) -> RunResult:
+               timeout_s: float, transport=None) -> RunResult:
     import httpx
 
     base = base_url.rstrip("/")
@@ -70,7 +70,7 @@ async def _run(base_url: str, model: str | None, requests: Sequence[SampleReques
     progress = [0] * len(requests)
     records: list[RequestRecord | None] = [None] * len(requests)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits, transport=transport) as client:
         if model is None:
             resp = await client.get(base + "/v1/models")
             resp.raise_for_status()
@@ -102,8 +102,11 @@ async def _run(base_url: str, model: str | None, requests: Sequence[SampleReques
 
 
 def run_http(base_url: str, requests: Sequence[SampleRequest], load: LoadConfig, *, model: str | None = None,
-             timeout_s: float = 6 * 3600) -> RunResult:
-    """Send `requests` to `base_url` as `load` says; returns per-request records (client-side timing)."""
+             timeout_s: float = 6 * 3600, transport=None) -> RunResult:
+    """Send `requests` to `base_url` as `load` says; returns per-request records (client-side timing).
+
+    `transport` (an httpx async transport) replaces the network, for tests.
+    """
     if math.isinf(load.request_rate) and load.max_concurrency is None and len(requests) > 1024:
         load = LoadConfig(load.request_rate, load.burstiness, 1024, load.seed)
-    return asyncio.run(_run(base_url, model, requests, load, timeout_s))
+    return asyncio.run(_run(base_url, model, requests, load, timeout_s, transport))

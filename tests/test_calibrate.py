@@ -1,0 +1,49 @@
+"""`jaxserve calibrate`: quick measurements on the session's tiny engine produce a profile `plan` accepts."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from jaxserve.calibrate import CalibrationConfig, calibrate
+from jaxserve.calibrate_steps import step_budget
+from planner.hardware import load_hardware
+
+
+@pytest.fixture(scope="module")
+def calibration(tiny_llm):
+    return calibrate(tiny_llm.engine, CalibrationConfig.quick())
+
+
+def test_profile_is_accepted_by_plan(calibration, tmp_path):
+    path = tmp_path / "profile.json"
+    calibration.save(path)
+    hw = load_hardware(path)
+    assert hw.memory_bw > 1e8 and hw.peak("fp32") > 1e8
+    c = hw.coefficients
+    assert 0 < c.compute_eff <= 1.5 and 0 < c.kv_bw_eff <= 1.5 and c.step_overhead_s >= 0
+    data = json.loads(path.read_text())
+    assert {"measurements", "device", "notes", "coefficients"} <= set(data)
+    assert data["measurements"]["steps"] and data["measurements"]["gemm_rows"]
+    from jaxserve.cli import cli
+
+    res = CliRunner().invoke(cli, ["plan", "--model", "tiny", "--hardware", str(path), "--dtype", "fp32",
+                                   "--input-len", "64", "--output-len", "16", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["hardware"] == hw.name
+
+
+def test_samples_cover_prefill_decode_and_mixed_steps(calibration):
+    kinds = {s.kind for s in calibration.samples}
+    assert kinds == {"prefill", "decode", "mixed"}
+    assert all(s.seconds > 0 for s in calibration.samples)
+    assert len(calibration.fit.errors) == len(calibration.samples)
+    assert calibration.fit.fixed["weight_bw_eff"] > 0
+
+
+def test_step_budget_restores_the_scheduler(tiny_llm):
+    sc = tiny_llm.engine.scheduler.config
+    before = (sc.max_num_batched_tokens, sc.chunk_size)
+    with step_budget(tiny_llm.engine, 32):
+        assert (sc.max_num_batched_tokens, sc.chunk_size) == (32, 32)
+    assert (sc.max_num_batched_tokens, sc.chunk_size) == before
