@@ -27,6 +27,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1
+    device_ids: tuple[int, ...] = field(default_factory=tuple)  # indices into jax.devices(); empty: the first tp
+    # Disaggregated serving: a prefill pool on the first `prefill_devices` devices, a decode pool on the next
+    # `decode_devices`; each pool is one engine whose TP degree is its device count.
+    disaggregate: bool = False
+    prefill_devices: int = 1
+    decode_devices: int = 1
+    max_pending_transfers: int = 8  # prefilled requests waiting for the decode pool before prefill pauses
     served_model_name: str | None = None
     token_buckets: tuple[int, ...] = field(default_factory=tuple)  # empty: derived from the budgets
     seq_buckets: tuple[int, ...] = field(default_factory=tuple)
@@ -34,7 +41,8 @@ class EngineConfig:
     warmup: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "page_size", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "page_size", "tensor_parallel_size",
+                     "prefill_devices", "decode_devices", "max_pending_transfers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.chunk_size % self.page_size and self.chunk_size > self.page_size:
@@ -43,6 +51,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        self.device_ids = tuple(int(i) for i in self.device_ids)
+        if self.device_ids and len(self.device_ids) != self.tensor_parallel_size:
+            raise ValueError(f"device_ids {self.device_ids} must name tensor_parallel_size "
+                             f"({self.tensor_parallel_size}) devices")
         if self.scheduling_policy not in ("fcfs", "lpm"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}")
 

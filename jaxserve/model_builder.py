@@ -1,5 +1,10 @@
 """Builds what the model runner needs: the model's parameters, the KV pool sized by the planner's formula,
-and the context length that pool allows."""
+and the context length that pool allows, all placed on the engine's device mesh (axis "tp").
+
+With tensor parallelism the parameters are sharded per `PARTITION_SPECS`, KV heads are replicated at load time
+when tp exceeds them (`jaxserve.parallel`), and the pool holds `kv_heads_per_device` heads per device, which is
+exactly what the planner's `kv_pool_pages(..., tp)` assumes.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.engine_config import EngineConfig
-from jaxserve.model.llama import LlamaForCausalLM, init_kv_cache, resolve_dtype
+from jaxserve.model.llama import KVCaches, LlamaForCausalLM, resolve_dtype
+from jaxserve.parallel import effective_spec, kv_sharding, make_mesh, replicate_kv_heads, select_devices, shard_model
 from planner.memory import GIB, activation_bytes, kv_bytes_per_token, kv_pool_pages, weight_bytes_per_device
 from planner.model_spec import ModelSpec
 
@@ -27,6 +33,8 @@ class BuiltModel:
     dtype: jnp.dtype
     num_pages: int  # including the trash page 0
     max_model_len: int
+    mesh: jax.sharding.Mesh | None = None  # the engine's devices, axis "tp"
+    spec: ModelSpec | None = None  # what runs: num_kv_heads raised to tp when KV heads are replicated
 
 
 def load_model(config: EngineConfig, spec: ModelSpec, dtype: jnp.dtype) -> nnx.Module:
@@ -38,14 +46,15 @@ def load_model(config: EngineConfig, spec: ModelSpec, dtype: jnp.dtype) -> nnx.M
     return load_checkpoint(os.path.expanduser(config.model), spec, dtype)
 
 
-def kv_budget_bytes(config: EngineConfig, spec: ModelSpec, dtype_name: str) -> float:
+def kv_budget_bytes(config: EngineConfig, spec: ModelSpec, dtype_name: str,
+                    device: jax.Device | None = None) -> float:
     """The KV budget per device: explicit, else a fraction of accelerator memory, else a CPU default.
 
     On CPU the default is 1 GiB, or less when `max_num_seqs` full-length sequences need less.
     """
     if config.kv_cache_memory is not None:
         return float(config.kv_cache_memory)
-    device = jax.devices()[0]
+    device = device or jax.devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if stats and "bytes_limit" in stats:
         tp = config.tensor_parallel_size
@@ -56,7 +65,8 @@ def kv_budget_bytes(config: EngineConfig, spec: ModelSpec, dtype_name: str) -> f
                              f"gpu_memory_utilization={config.gpu_memory_utilization}")
         return free
     context = config.max_model_len or spec.max_position_embeddings
-    needed = (config.max_num_seqs * context + config.page_size) * kv_bytes_per_token(spec, dtype_name)
+    needed = ((config.max_num_seqs * context + config.page_size)
+              * kv_bytes_per_token(spec, dtype_name, config.tensor_parallel_size))
     return min(CPU_DEFAULT_KV_BYTES, needed)
 
 
@@ -75,7 +85,11 @@ def build_model_and_cache(config: EngineConfig, spec: ModelSpec) -> BuiltModel:
     if config.max_model_len is not None and config.max_model_len > spec.max_position_embeddings:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's maximum positions "
                          f"({spec.max_position_embeddings})")
-    num_pages = kv_pool_pages(spec, kv_budget_bytes(config, spec, dtype_name), config.page_size, dtype_name)
+    tp = config.tensor_parallel_size
+    run_spec = effective_spec(spec, tp)
+    mesh = make_mesh(select_devices(tp, config.device_ids))
+    budget = kv_budget_bytes(config, spec, dtype_name, mesh.devices.flat[0])
+    num_pages = kv_pool_pages(spec, budget, config.page_size, dtype_name, tp)
     usable_tokens = (num_pages - 1) * config.page_size
     if usable_tokens < config.page_size:
         raise ValueError("the KV cache budget holds less than one page; raise kv_cache_memory")
@@ -84,5 +98,19 @@ def build_model_and_cache(config: EngineConfig, spec: ModelSpec) -> BuiltModel:
         raise ValueError(f"max_model_len {max_model_len} needs {max_model_len} KV slots but the pool holds "
                          f"{usable_tokens}; raise kv_cache_memory or lower max_model_len")
     model = load_model(config, spec, dtype)
-    return BuiltModel(model=model, kv_caches=init_kv_cache(spec, num_pages, config.page_size, dtype),
-                      dtype=jnp.dtype(dtype), num_pages=num_pages, max_model_len=max_model_len)
+    replicate_kv_heads(model, spec, tp)
+    shard_model(model, mesh)
+    kv_caches = init_sharded_kv_cache(run_spec, num_pages, config.page_size, dtype, mesh)
+    return BuiltModel(model=model, kv_caches=kv_caches, dtype=jnp.dtype(dtype), num_pages=num_pages,
+                      max_model_len=max_model_len, mesh=mesh, spec=run_spec)
+
+
+def init_sharded_kv_cache(spec: ModelSpec, num_pages: int, page_size: int, dtype: jnp.dtype,
+                          mesh: jax.sharding.Mesh) -> KVCaches:
+    """Zeroed per-layer (k, v) pools `[num_pages, page_size, kv_heads, head_dim]`, sharded on kv_heads.
+
+    Each device allocates only its own shard (no full pool is ever built on one device).
+    """
+    shape = (num_pages, page_size, spec.num_kv_heads, spec.head_dim)
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_sharding(mesh))
+    return [(zeros(), zeros()) for _ in range(spec.num_layers)]

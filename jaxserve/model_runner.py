@@ -4,19 +4,29 @@ The forward is compiled once per token bucket (the sequence axis of the metadata
 `max_num_seqs`, and attention loops only over the real sequences); logits and sampling are compiled once per
 sequence bucket. The KV pool is donated to the forward, so XLA updates it in place. Warm-up compiles every
 bucket at start-up; `compile_count()` lets tests assert that nothing compiles afterwards.
+
+When the pool lives on a device mesh (always, when built by `model_builder`), both functions are jitted with
+explicit shardings: parameters per the tensor-parallel table, KV pages on kv heads, everything else replicated.
+`dispatch` and `collect` split a step so a caller can keep two engines (prefill and decode pools) in flight.
+KV pages move between pools with `gather_pages` and `insert_pages` (donated), compiled per page-count bucket.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.batch import RaggedBatch
 from jaxserve.model.metadata import AttentionMetadata
+from jaxserve.parallel import AXIS, fit_spec, params_shardings, put_global, replicated
 from jaxserve.sampler import SamplingArrays, sample_tokens
 
 
@@ -60,8 +70,32 @@ class ModelRunner:
         self.pages_per_seq = math.ceil(max_model_len / page_size)
         self.token_buckets = token_buckets
         self.seq_buckets = seq_buckets
-        self._forward = jax.jit(self._forward_impl, donate_argnums=(1,))
-        self._sample = jax.jit(self._sample_impl)
+        self.page_buckets = power_of_two_ladder(self.pages_per_seq)
+        sharding = kv_caches[0][0].sharding
+        self.mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
+        if self.mesh is None:  # plain single-device arrays
+            self._replicated = None
+            self._forward = jax.jit(self._forward_impl, donate_argnums=(1,))
+            self._sample = jax.jit(self._sample_impl)
+            self._insert = jax.jit(self._insert_impl, donate_argnums=(0,))
+            self._gather = jax.jit(self._gather_impl, static_argnums=(2,))
+            return
+        rep = self._replicated = replicated(self.mesh)
+        params_sh = params_shardings(self.params)
+        kv_sh = jax.tree.map(lambda x: x.sharding, kv_caches)
+        self._forward = jax.jit(self._forward_impl, donate_argnums=(1,), in_shardings=(params_sh, kv_sh, rep, rep,
+                                                                                          rep, rep),
+                                out_shardings=(rep, kv_sh))
+        self._sample = jax.jit(self._sample_impl, in_shardings=(params_sh, *(rep,) * 8), out_shardings=rep)
+        # Transfers: the block's sharding follows from its head count (see `pages_sharding`); the pool keeps its own.
+        self._gather = jax.jit(self._gather_impl, static_argnums=(2,))
+        self._insert = jax.jit(self._insert_impl, donate_argnums=(0,), out_shardings=kv_sh)
+
+    def pages_sharding(self, shape: tuple[int, ...]) -> jax.sharding.Sharding:
+        """Sharding of a page block `[layers, 2, pages, page_size, heads, head_dim]` here: on heads if they divide."""
+        if self.mesh is None:
+            return self.kv_caches[0][0].sharding
+        return NamedSharding(self.mesh, fit_spec(P(None, None, None, None, AXIS, None), shape, self.mesh))
 
     # Jitted bodies -------------------------------------------------------------------------------------------
     def _forward_impl(self, params, kv_caches, token_ids, positions, meta: AttentionMetadata, logits_indices):
@@ -73,6 +107,21 @@ class ModelRunner:
         model = nnx.merge(self.graphdef, params)
         logits = model.compute_logits(hidden_rows[: temperature.shape[0]])
         return sample_tokens(logits, temperature, top_k, top_p, min_p, seed, step, want_logprobs)
+
+    @staticmethod
+    def _gather_impl(kv_caches, page_ids, stride: int):
+        """Pages of every layer's K and V; every `stride`-th KV head (drops replicas made for TP)."""
+        return jnp.stack([jnp.stack([k[page_ids][..., ::stride, :], v[page_ids][..., ::stride, :]])
+                          for k, v in kv_caches])
+
+    @staticmethod
+    def _insert_impl(kv_caches, pages, page_ids):
+        """Write a block into `page_ids` (out-of-range ids are dropped), replicating heads up to the pool's."""
+        r = kv_caches[0][0].shape[2] // pages.shape[4]
+        if r > 1:
+            pages = jnp.repeat(pages, r, axis=4)
+        return [(k.at[page_ids].set(pages[i, 0], mode="drop"), v.at[page_ids].set(pages[i, 1], mode="drop"))
+                for i, (k, v) in enumerate(kv_caches)]
 
     # Host side -----------------------------------------------------------------------------------------------
     def _device_inputs(self, batch: RaggedBatch, num_tokens: int):
@@ -94,19 +143,38 @@ class ModelRunner:
         logits_indices[:s] = batch.logits_indices
         meta = AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=kv_lens, page_table=table,
                                  num_seqs=np.int32(s), num_decodes=np.int32(batch.num_decodes))
-        return jax.device_put((token_ids, positions, meta, logits_indices))
+        return self._put((token_ids, positions, meta, logits_indices))
 
-    def execute(self, batch: RaggedBatch, sampling: SamplingArrays) -> StepResult:
-        """Run the forward for every scheduled token and draw one token per sequence."""
+    def _put(self, tree: Any) -> Any:
+        """Host arrays to the device (replicated over the mesh)."""
+        if self._replicated is None:
+            return jax.device_put(tree)
+        return jax.tree.map(lambda x: put_global(x, self._replicated), tree)
+
+    def dispatch(self, batch: RaggedBatch, sampling: SamplingArrays) -> Any:
+        """Enqueue the forward and the sampler for `batch`; returns device futures for `collect`."""
         if batch.num_seqs > self.max_num_seqs:
             raise ValueError(f"batch of {batch.num_seqs} sequences exceeds max_num_seqs={self.max_num_seqs}")
         num_tokens = bucket_for(batch.num_tokens, self.token_buckets)
         token_ids, positions, meta, logits_indices = self._device_inputs(batch, num_tokens)
         hidden_rows, self.kv_caches = self._forward(self.params, self.kv_caches, token_ids, positions, meta,
                                                     logits_indices)
-        out = self._sample(self.params, hidden_rows, sampling.temperature, sampling.top_k, sampling.top_p,
-                           sampling.min_p, sampling.seed, sampling.step, np.bool_(sampling.want_logprobs))
-        tokens, logprobs, top_ids, top_lp = jax.device_get(out)
+        rows = self._put((sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed,
+                          sampling.step, np.bool_(sampling.want_logprobs)))
+        return self._sample(self.params, hidden_rows, *rows)
+
+    @staticmethod
+    def is_ready(pending: Any) -> bool:
+        """Whether a dispatched step has finished on the device."""
+        return all(x.is_ready() for x in jax.tree.leaves(pending))
+
+    def execute(self, batch: RaggedBatch, sampling: SamplingArrays) -> StepResult:
+        """Run the forward for every scheduled token and draw one token per sequence."""
+        return self.collect(self.dispatch(batch, sampling), batch, sampling)
+
+    def collect(self, pending: Any, batch: RaggedBatch, sampling: SamplingArrays) -> StepResult:
+        """Wait for a dispatched step and copy what it drew to the host."""
+        tokens, logprobs, top_ids, top_lp = (_to_host(x) for x in pending)
         s = batch.num_seqs
         if not sampling.want_logprobs:
             return StepResult(tokens[:s], logprobs[:s], None, None)
@@ -114,6 +182,31 @@ class ModelRunner:
 
     def sampling_bucket(self, num_seqs: int) -> int:
         return bucket_for(num_seqs, self.seq_buckets)
+
+    # KV transfer between pools --------------------------------------------------------------------------------
+    def _page_index(self, page_ids: list[int], fill: int, size: int | None = None) -> np.ndarray:
+        index = np.full(size or bucket_for(len(page_ids), self.page_buckets), fill, np.int32)
+        index[: len(page_ids)] = page_ids
+        return index
+
+    def gather_pages(self, page_ids: list[int], unique_heads: int | None = None) -> jax.Array:
+        """KV of `page_ids` as one block `[layers, 2, bucket, page_size, heads, head_dim]` (pads: page 0).
+
+        With `unique_heads` (the model's own KV head count), heads replicated for TP are left out.
+        """
+        pool_heads = self.kv_caches[0][0].shape[2]
+        stride = pool_heads // (unique_heads or pool_heads)
+        return self._gather(self.kv_caches, self._put(self._page_index(page_ids, 0)), stride)
+
+    def insert_pages(self, pages: jax.Array, page_ids: list[int]) -> None:
+        """Write a block from `gather_pages` (already on this pool's devices) into `page_ids` (donated pool)."""
+        num_pages = self.kv_caches[0][0].shape[0]
+        self.kv_caches = self._insert(self.kv_caches, pages, self._put(self._page_index(page_ids, num_pages,
+                                                                                          pages.shape[2])))
+
+    def put_pages(self, pages: jax.Array) -> jax.Array:
+        """Move a gathered block onto this pool's devices, sharded on heads (the device-to-device copy)."""
+        return jax.device_put(pages, self.pages_sharding(pages.shape))
 
     def warmup(self) -> None:
         """Compile every token bucket of the forward and every sequence bucket of the sampler."""
@@ -129,10 +222,30 @@ class ModelRunner:
                                                         logits_indices)
         for s in self.seq_buckets:
             a = SamplingArrays.build([], s)
-            jax.block_until_ready(self._sample(self.params, hidden_rows, a.temperature, a.top_k, a.top_p,
-                                               a.min_p, a.seed, a.step, np.bool_(True)))
+            rows = self._put((a.temperature, a.top_k, a.top_p, a.min_p, a.seed, a.step, np.bool_(True)))
+            jax.block_until_ready(self._sample(self.params, hidden_rows, *rows))
+
+    def warmup_transfer(self, unique_heads: int | None = None, *, gather: bool = True, insert: bool = True) -> None:
+        """Compile `gather_pages` and/or `insert_pages` for every page-count bucket (disaggregated pools)."""
+        pool_heads = self.kv_caches[0][0].shape[2]
+        for n in self.page_buckets:
+            if gather:
+                jax.block_until_ready(self.gather_pages([0] * n, unique_heads))
+            if insert:
+                k = self.kv_caches[0][0]
+                shape = (len(self.kv_caches), 2, n, k.shape[1], unique_heads or pool_heads, k.shape[3])
+                block = jnp.zeros(shape, k.dtype, device=self.pages_sharding(shape))
+                self.insert_pages(block, [])
+        jax.block_until_ready(self.kv_caches)
 
     def compile_count(self) -> int:
         """Compiled variants of the step functions so far (grows only when a new shape appears)."""
-        return self._forward._cache_size() + self._sample._cache_size()
+        return sum(f._cache_size() for f in (self._forward, self._sample, self._gather, self._insert))
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    """A replicated device array on the host (reads this process's copy when the mesh spans processes)."""
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    return np.asarray(x.addressable_data(0))
 
