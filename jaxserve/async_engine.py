@@ -14,7 +14,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from jaxserve.engine import LLMEngine
+from jaxserve.disaggregated import create_engine
 from jaxserve.engine_config import EngineConfig
 from jaxserve.outputs import RequestOutput, StepStats
 from jaxserve.sampling_params import SamplingParams
@@ -47,7 +47,7 @@ class AsyncEngine:
     """Thread-backed engine with an async, streaming request interface."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.engine = LLMEngine(config)
+        self.engine = create_engine(config)
         self.config = config
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}

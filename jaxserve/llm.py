@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 
-from jaxserve.engine import LLMEngine
+from jaxserve.disaggregated import create_engine
 from jaxserve.engine_config import EngineConfig
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -24,7 +24,7 @@ class LLM:
     """
 
     def __init__(self, model: str = "tiny", **engine_args) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self.engine = create_engine(EngineConfig(model=model, **engine_args))
         self._ids = itertools.count()
 
     @property

@@ -1,0 +1,67 @@
+"""Disaggregated prefill/decode on 8 fake CPU devices (in a subprocess).
+
+Same greedy tokens as colocated for 1+1, 2+2 (TP 2 in each pool) and mixed pools that replicate KV heads on one
+side only (1+4, 4+1); prefix caching on the prefill side; KV bytes per request equal to the planner's; no page
+leaks in either pool after a random workload with aborts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve.engine_config import EngineConfig
+from planner.memory import kv_bytes_per_token
+from planner.model_spec import load_model_spec
+from tests.test_tensor_parallel import run_driver
+
+PAIRS = ("1+1", "2+2", "1+4", "4+1")
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    return run_driver("disagg", *PAIRS)
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_same_tokens_as_colocated(runs, pair):
+    assert runs[pair]["tokens"] == runs["colocated"]
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_kv_bytes_moved_equal_planner_prediction(runs, pair):
+    spec = load_model_spec("tiny")
+    run = runs[pair]
+    assert len(run["transfers"]) == len(run["tokens"])  # every request moved once (none ended on token one)
+    per_token = kv_bytes_per_token(spec, "fp32", tp=1)  # all layers, the model's own KV heads
+    for rid, tokens, num_bytes, block_bytes in run["transfers"]:
+        assert tokens == run["prompt_lens"][rid]
+        assert num_bytes == tokens * per_token
+        assert block_bytes % (16 * per_token) == 0  # whole pages of unique heads: no replicas shipped
+    assert run["stats"]["kv_transfer_bytes"] == sum(t[2] for t in run["transfers"])
+
+
+def test_prefix_cache_hits_on_prefill_side(runs):
+    for pair in PAIRS:
+        assert runs[pair]["cached_tokens"] == 32
+        assert runs[pair]["stats"]["prefix_cache_hits"] >= 32
+
+
+def test_no_compile_after_warmup_and_ttft_includes_transfer(runs):
+    for pair in PAIRS:
+        assert runs[pair]["compiles_after_warmup"] == 0
+        assert runs[pair]["ttft_after_transfer"]
+
+
+def test_no_page_leaks_after_random_workload_with_aborts():
+    r = run_driver("disagg-aborts", "0")
+    assert r["finished"] > 0 and r["aborted"] > 0 and r["transfers"] > 0
+    assert r["prefill_used"] == 0 and r["prefill_free"] == r["prefill_usable"]  # cached pages count as free
+    assert r["decode_used"] == 0 and r["decode_free"] == r["decode_usable"]  # no prefix cache on decode
+    assert r["max_pending"] <= 2 + 8  # max_pending_transfers + one prefill step's worth (max_num_seqs)
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="decode_devices"):
+        EngineConfig(disaggregate=True, decode_devices=0)
+    with pytest.raises(ValueError, match="device_ids"):
+        EngineConfig(tensor_parallel_size=2, device_ids=(0,))
