@@ -26,6 +26,7 @@ from jaxserve.calibrate_steps import (
     measure_mixed,
     measure_prefill,
     step_budget,
+    warm_engine,
 )
 from planner.calibration import Sample, fit_coefficients
 from planner.hardware import CATALOG, GIGA, Hardware
@@ -42,6 +43,7 @@ class CalibrationConfig:
     decode_batches: tuple[int, ...] = (1, 4, 16)
     decode_contexts: tuple[int, ...] = (64, 512)
     decode_steps: int = 6
+    max_decode_prompt_tokens: int = 4096  # skip decode points whose prompts (batch x context) cost more
     mixed_decodes: int = 4
     mixed_prompt_len: int = 1024
     mixed_chunk: int = 256  # step token budget while the long prompt is chunked (page multiple)
@@ -195,11 +197,11 @@ def calibrate(engine, cfg: CalibrationConfig | None = None, progress: Progress |
     budget = min(engine.config.max_num_batched_tokens, engine.config.chunk_size)
     samples: list[StepSample] = []
     say("engine warm-up", 0.12)
-    measure_prefill(engine, ids, (min(cfg.prefill_lens),), 1)
-    measure_decode(engine, ids, min(2, engine.config.max_num_seqs), min(cfg.decode_contexts), 2)
+    warm_engine(engine, ids)
     say("engine prefill steps", 0.15)
     samples += measure_prefill(engine, ids, tuple(n for n in cfg.prefill_lens if n <= budget), cfg.repeats)
-    points = [(b, c) for c in cfg.decode_contexts for b in cfg.decode_batches if b <= engine.config.max_num_seqs]
+    points = [(b, c) for c in cfg.decode_contexts for b in cfg.decode_batches
+              if b <= engine.config.max_num_seqs and b * c <= cfg.max_decode_prompt_tokens]
     for k, (b, c) in enumerate(points):
         say(f"engine decode steps: {b} seqs x {c} context", 0.3 + 0.5 * k / len(points))
         samples += measure_decode(engine, ids, b, c, cfg.decode_steps)

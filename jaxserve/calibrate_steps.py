@@ -109,8 +109,10 @@ def measure_decode(engine, ids: PromptSource, batch: int, context: int, steps: i
         elif s.num_prefill_tokens:
             drawn[0] = 1
 
+    budget = max(1, min(engine.scheduler.config.max_num_batched_tokens, engine.scheduler.config.chunk_size))
+    prefill_steps = math.ceil(batch * context / budget) + 1  # early sequences decode while later ones prefill
     for _ in range(batch):
-        engine.add_request(ids.rid(), ids.prompt(context), _params(steps + 1))
+        engine.add_request(ids.rid(), ids.prompt(context), _params(steps + prefill_steps + 1))
     _drive(engine, record)
     if not times:
         return []
@@ -139,3 +141,22 @@ def measure_mixed(engine, ids: PromptSource, decodes: int, prompt_len: int) -> l
         engine.abort_request(rid)
     _drive(engine, lambda s, dt: None)
     return samples
+
+
+def warm_engine(engine, ids: PromptSource, max_tokens: int = 256) -> None:
+    """Run every token bucket with a real prefill and every sequence bucket with real decodes, once.
+
+    The engine's warm-up compiles each bucket on an empty batch; the first non-empty run of a bucket can
+    still be slower (loop bodies never executed), so measurements start after this pass. Buckets above
+    `max_tokens` are skipped: their steps take long enough for a first-run cost not to matter.
+    """
+    limit = min(engine.config.max_num_batched_tokens, engine.config.chunk_size, engine.max_model_len - 2, max_tokens)
+    for t in engine.runner.token_buckets:
+        if t <= limit:
+            engine.add_request(ids.rid(), ids.prompt(t), _params(2))
+            _drive(engine, lambda s, dt: None)
+    for b in engine.runner.seq_buckets:
+        if b <= engine.config.max_num_seqs:
+            for _ in range(b):
+                engine.add_request(ids.rid(), ids.prompt(engine.config.page_size), _params(3))
+            _drive(engine, lambda s, dt: None)

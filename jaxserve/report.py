@@ -47,6 +47,8 @@ class ReportConfig:
     long_decodes: int = 4
     long_decode_input: int = 64
     long_tail_tokens: int = 16
+    kv_cache_memory: int | None = None  # bytes; None: the engine's default
+    calibration: Any = None  # a CalibrationConfig; None: the default (quick with --quick)
     quick: bool = False
 
     @classmethod
@@ -64,7 +66,8 @@ class ReportConfig:
         from jaxserve.engine_config import EngineConfig
 
         return EngineConfig(model=self.model, dtype=self.dtype, seed=self.seed, max_num_seqs=self.max_num_seqs,
-                            max_num_batched_tokens=self.budget, chunk_size=self.budget)
+                            max_num_batched_tokens=self.budget, chunk_size=self.budget,
+                            kv_cache_memory=self.kv_cache_memory)
 
 
 @dataclass
@@ -237,10 +240,14 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
         f"{engine.runner.token_buckets})")
     calibration = None
     if profile:
+        from jaxserve.calibrate_steps import PromptSource, warm_engine
+
         hw = load_hardware(profile)
+        warm_engine(engine, PromptSource(engine, cfg.seed + 1))
     else:
-        cal = calibrate(engine, CalibrationConfig.quick() if cfg.quick else CalibrationConfig(),
-                        lambda phase, frac: None, seed=cfg.seed)
+        ccfg = cfg.calibration or (CalibrationConfig.quick() if cfg.quick else CalibrationConfig())
+        cal = calibrate(engine, ccfg, lambda phase, frac: log(f"calibrate: {phase}") if frac < 1 else None,
+                        seed=cfg.seed)
         cal.save(out / "profile.json")
         hw = cal.hardware
         calibration = {"seconds": cal.seconds, "median_abs_error": cal.fit.median_abs_error,
@@ -248,7 +255,11 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
                        "profile": str(out / "profile.json")}
         log(f"calibrated in {cal.seconds:.0f} s: step fit median |error| {cal.fit.median_abs_error:.1%}")
     ctx = Context(engine=engine, spec=engine.spec, hw=hw, dtype=planner_dtype(engine.dtype), cfg=cfg, log=log)
-    rows = run_grid(ctx) + run_loads(ctx) + run_chunked(ctx)
+    rows: list[dict[str, Any]] = []
+    for part in (run_grid, run_loads, run_chunked):
+        rows += part(ctx)
+        (out / "report.partial.json").write_text(json.dumps(finite({"rows": rows}), indent=2) + "\n")
+    (out / "report.partial.json").unlink()
     report = {"model": cfg.model, "dtype": ctx.dtype, "hardware": hw.name, "profile": profile,
               "coefficients": hw.coefficients.to_dict(), "calibration": calibration,
               "engine": {"max_num_seqs": engine.config.max_num_seqs, "step_budget": cfg.budget,

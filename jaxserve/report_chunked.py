@@ -54,9 +54,11 @@ def run_chunked(ctx) -> list[dict[str, Any]]:
     undisturbed = step_time_shape(ctx.spec, ctx.hw, decode_shape(d, context), dtype=ctx.dtype).total_ms
     target = 2 * undisturbed
     choice = choose_chunk_size(ctx.spec, ctx.hw, target, prompt_len=length, page_size=page, **kw)
-    per_step = max(page, (choice.chunk_size - d) // page * page)  # the runtime's page-aligned prefill per step
+    # The runtime cuts chunks on page boundaries: give it a budget of whole pages plus the decodes, so every
+    # step prefills exactly `per_step` tokens, as predicted (planner/NEEDS_FROM_BENCH.md, item 1).
+    per_step = max(page, (choice.chunk_size - d) // page * page)
     rows = []
-    for label, budget, prefill in (("chunked", choice.chunk_size, per_step), ("unchunked", cfg.budget, length)):
+    for label, budget, prefill in (("chunked", per_step + d, per_step), ("unchunked", cfg.budget, length)):
         stalls = [t * 1e3 for t in chunked_prefill_itls(ctx.spec, ctx.hw, length, prefill + d, **kw)]
         out_len = WARM_TOKENS + math.ceil(length / prefill) + cfg.long_tail_tokens
         reqs = generate(DatasetConfig(name="long-prompt", num_prompts=d + 1, input_len=cfg.long_decode_input,
@@ -71,7 +73,8 @@ def run_chunked(ctx) -> list[dict[str, Any]]:
                 "p99": float(np.percentile(gaps, 99)) if gaps else math.nan, "max": max(gaps, default=math.nan)}
         pred = {"undisturbed": undisturbed, "p99": float(np.percentile(pred_gaps, 99)), "max": max(pred_gaps)}
         row = {"kind": "chunked-prefill", "config": {
-            "mode": label, "step_budget": budget, "prefill_tokens_per_step": prefill, "prompt_len": length,
+            "mode": label, "step_budget": budget, "planner_chunk": choice.chunk_size,
+            "prefill_tokens_per_step": prefill, "prompt_len": length,
             "decodes": d, "decode_context": context, "itl_target_ms": target},
             "predicted_ttft_ms": sum(stalls), "measured_ttft_ms": long_rec.ttft * 1e3 if long_rec.success else None,
             "predicted_tpot_ms": pred["undisturbed"], "measured_tpot_ms": meas["undisturbed"],

@@ -76,8 +76,14 @@ def write_markdown(report: dict[str, Any], path: str | Path) -> None:
 
 
 def write_plot(report: dict[str, Any], path: str | Path) -> None:
-    """report.png: TPOT vs batch size per context; TTFT vs load; decode ITLs beside a long prompt."""
-    import matplotlib
+    """report.png: TPOT vs batch size per context; TTFT vs load; decode ITLs beside a long prompt.
+
+    Without matplotlib (a bare GPU image) the PNG is skipped; the JSON and markdown carry every number.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

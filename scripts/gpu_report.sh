@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One prepared GPU run: calibrate + a short measured-vs-predicted report for the ~1B synthetic Llama in bf16.
+#
+#   scripts/gpu_report.sh [OUT_DIR]        # default: reports/gpu-<date>; under 8 minutes on one H100/H200
+#
+# Runs from a checkout with no install and no network (PYTHONPATH=.): needs jax (with CUDA), flax, numpy,
+# click and jinja2; matplotlib is optional (without it, no report.png). Everything lands in OUT_DIR:
+# env.txt (devices, versions), profile.json (calibrated hardware profile), report.json/.md/.png, run.log.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-reports/gpu-$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$OUT"
+export PYTHONPATH=.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # let the engine's KV budget, not XLA's arena, size memory
+
+{ date; nvidia-smi 2>/dev/null || true; python -c "import jax, flax; print('jax', jax.__version__, 'flax',
+flax.__version__); print(jax.devices())"; } > "$OUT/env.txt" 2>&1 || true
+
+timeout 460 python - "$OUT" <<'PY' 2>&1 | tee "$OUT/run.log"
+import importlib.util
+import sys
+import time
+
+missing = [m for m in ("jax", "flax", "numpy", "click", "jinja2") if importlib.util.find_spec(m) is None]
+if missing:
+    sys.exit(f"missing Python packages: {', '.join(missing)}")
+import jax
+
+if jax.devices()[0].platform == "cpu":
+    print("warning: no accelerator found; this run measures the CPU", flush=True)
+
+from jaxserve.calibrate import CalibrationConfig
+from jaxserve.report import ReportConfig, run_report
+
+out = sys.argv[1]
+cfg = ReportConfig(
+    model="synthetic-1b", dtype="bfloat16", max_num_seqs=64, batch_sizes=(1, 8, 32, 64), context_lens=(512, 2048),
+    grid_output_len=32, load_input_len=512, load_output_len=128, load_num_prompts=200, long_prompt_len=4096,
+    long_decodes=8, long_decode_input=256, long_tail_tokens=32, kv_cache_memory=24 * 2**30,
+    calibration=CalibrationConfig(
+        prefill_lens=(64, 256, 1024, 2048, 4096), decode_batches=(1, 8, 32, 64), decode_contexts=(256, 2048),
+        decode_steps=8, mixed_decodes=8, mixed_prompt_len=2048, mixed_chunk=512,
+        gemm_rows=(1, 16, 64, 256, 1024, 4096), bandwidth_bytes=2**30, matmul_n=8192, repeats=3))
+t0 = time.monotonic()
+report = run_report(cfg, out, log=lambda m: print(f"[{time.monotonic() - t0:6.1f} s] {m}", flush=True))
+print(open(f"{out}/report.md").read())
+PY
+echo "results in $OUT"
