@@ -70,18 +70,18 @@ def dense_reference(q, k_cache, v_cache, m, scale):
 
 
 @functools.cache
-def attention_fn(kv_block: int, q_block: int):
+def attention_fn(kv_block: int, q_block: int, decode_mode: str):
     return jax.jit(functools.partial(paged_attention, scale=D**-0.5, kv_block=kv_block, q_block=q_block,
-                                     decode_kv_block=kv_block))
+                                     decode_kv_block=kv_block, decode_mode=decode_mode))
 
 
-def check(rng, heads, kv_heads, decode_ctx, prefill, kv_block=8, q_block=8):
+def check(rng, heads, kv_heads, decode_ctx, prefill, kv_block=8, q_block=8, decode_mode="loop"):
     m = build_batch(rng, decode_ctx, prefill)
     q = rng.standard_normal((T_PAD, heads, D), dtype=np.float32)
     k_cache = rng.standard_normal((NUM_PAGES, PAGE_SIZE, kv_heads, D), dtype=np.float32)
     v_cache = rng.standard_normal((NUM_PAGES, PAGE_SIZE, kv_heads, D), dtype=np.float32)
     meta = AttentionMetadata(**{k: jnp.asarray(v) for k, v in m.items()})
-    fn = attention_fn(kv_block, q_block)
+    fn = attention_fn(kv_block, q_block, decode_mode)
     out = np.asarray(fn(jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache), meta))
     ref = dense_reference(q, k_cache, v_cache, m, D**-0.5)
     np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
@@ -92,12 +92,14 @@ def check(rng, heads, kv_heads, decode_ctx, prefill, kv_block=8, q_block=8):
 HEADS = [(4, 2), (4, 1), (2, 2)]  # GQA, MQA, MHA
 
 
+@pytest.mark.parametrize("decode_mode", ["loop", "batched"])
 @pytest.mark.parametrize(("heads", "kv_heads"), HEADS)
-def test_mixed_batch(heads, kv_heads):
+def test_mixed_batch(heads, kv_heads, decode_mode):
     rng = np.random.default_rng(heads * 10 + kv_heads)
     # Two decodes (one at a page boundary), a fresh prefill longer than a q block, a chunk with prior context,
     # and a one-token prefill chunk.
-    check(rng, heads, kv_heads, [4, 17], [(11, 0), (9, 13), (1, 6)])
+    check(rng, heads, kv_heads, [4, 17], [(11, 0), (9, 13), (1, 6)], decode_mode=decode_mode)
+    check(rng, heads, kv_heads, [1, 2, 3, 40, 47, 9, 5, 33], [], decode_mode=decode_mode)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), HEADS)
@@ -130,16 +132,17 @@ def ragged(draw):
     return decode_ctx, prefill
 
 
+@pytest.mark.parametrize("decode_mode", ["loop", "batched"])
 @pytest.mark.parametrize(("heads", "kv_heads"), HEADS[:2])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(batch=ragged(), seed=st.integers(0, 2**16))
-def test_property_random_ragged(heads, kv_heads, batch, seed):
+def test_property_random_ragged(heads, kv_heads, decode_mode, batch, seed):
     decode_ctx, prefill = batch
     # Pages must suffice for the whole batch.
     need = sum(-(-c // PAGE_SIZE) for c in decode_ctx) + sum(-(-(q + c) // PAGE_SIZE) for q, c in prefill)
     if need > NUM_PAGES - 1:
         return
-    check(np.random.default_rng(seed), heads, kv_heads, decode_ctx, prefill)
+    check(np.random.default_rng(seed), heads, kv_heads, decode_ctx, prefill, decode_mode=decode_mode)
 
 
 def test_write_kv_scatters_into_slots():
@@ -156,12 +159,13 @@ def test_write_kv_scatters_into_slots():
     assert float(jnp.abs(kc).sum()) == pytest.approx(float(np.abs(k).sum()), rel=1e-6)
 
 
-def test_donated_pool_is_updated_in_place():
+@pytest.mark.parametrize("decode_mode", ["loop", "batched"])
+def test_donated_pool_is_updated_in_place(decode_mode):
     """write_kv then paged_attention under a donating jit must not copy the pool (a silent 3x slowdown)."""
 
     def layer(k_cache, v_cache, q, k, v, meta):
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        return paged_attention(q, k_cache, v_cache, meta, D**-0.5), k_cache, v_cache
+        return paged_attention(q, k_cache, v_cache, meta, D**-0.5, decode_mode=decode_mode), k_cache, v_cache
 
     shape = f"f32[{NUM_PAGES},{PAGE_SIZE},2,{D}]"
     for t, batch in ((1, ([5], [])), (T_PAD, ([5, 9], [(6, 3)]))):  # one token: XLA turns the scatter into a DUS

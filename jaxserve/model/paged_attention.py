@@ -86,6 +86,33 @@ def _decode_one(q1: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_row:
     return _finish(den, acc)
 
 
+def _decode_batched(qd: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_table: jax.Array,
+                    kv_lens: jax.Array, scale: float, block_pages: int) -> jax.Array:
+    """All decode rows at once, qd [n, kvh, g, d]; loops over KV blocks up to the longest context.
+
+    Cost O(n x longest context) rather than O(sum of contexts), but a handful of large ops per block instead of
+    a sequential loop over sequences: the better trade on GPUs, where each small op is a kernel launch.
+    Rows with kv_lens 0 come back as zeros.
+    """
+    n, kvh, g, d = qd.shape
+    page_size = k_cache.shape[1]
+    block = block_pages * page_size
+    qf = qd.astype(jnp.float32) * scale
+
+    def body(b: jax.Array, carry: tuple) -> tuple:
+        pages = lax.dynamic_slice_in_dim(page_table, b * block_pages, block_pages, axis=1)  # [n, bp]
+        kb = k_cache[pages].reshape(n, block, kvh, d).astype(jnp.float32)
+        vb = v_cache[pages].reshape(n, block, kvh, d).astype(jnp.float32)
+        s = jnp.einsum("nkgd,ntkd->nkgt", qf, kb)
+        mask = (b * block + jnp.arange(block)[None, :] < kv_lens[:, None])[:, None, None, :]
+        return _online_update(carry, s, mask, lambda p: jnp.einsum("nkgt,ntkd->nkgd", p, vb))
+
+    init = (jnp.full((n, kvh, g), -jnp.inf, jnp.float32), jnp.zeros((n, kvh, g), jnp.float32),
+            jnp.zeros((n, kvh, g, d), jnp.float32))
+    _, den, acc = lax.fori_loop(0, (jnp.max(kv_lens) + block - 1) // block, body, init)
+    return _finish(den, acc)
+
+
 def _prefill_block(qb: jax.Array, q_pos0: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                    page_row: jax.Array, kv_len: jax.Array, kv_end: jax.Array, scale: float,
                    block_pages: int) -> jax.Array:
@@ -112,12 +139,14 @@ def _prefill_block(qb: jax.Array, q_pos0: jax.Array, k_cache: jax.Array, v_cache
 
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata,
                     scale: float, *, kv_block: int = DEFAULT_KV_BLOCK, q_block: int = DEFAULT_Q_BLOCK,
-                    decode_kv_block: int = DEFAULT_DECODE_KV_BLOCK) -> jax.Array:
+                    decode_kv_block: int = DEFAULT_DECODE_KV_BLOCK, decode_mode: str = "auto") -> jax.Array:
     """Causal attention of ragged queries q [T, H, D] over paged K/V (already holding this step's tokens).
 
-    Decode sequences (the first `num_decodes`, one query each) loop over their own KV blocks; prefill chunks
-    loop over query blocks of `q_block` rows and, for each, over the KV blocks up to the causal limit.
-    Rows of padded tokens come back as zeros.
+    Decode sequences (the first `num_decodes`, one query each) loop over their own KV blocks
+    (`decode_mode="loop"`, O(sum of contexts), best on CPU) or go all at once over blocks up to the longest
+    context (`"batched"`, fewer and larger ops, for GPUs); "auto" picks loop on CPU, batched elsewhere.
+    Prefill chunks loop over query blocks of `q_block` rows and, for each, over the KV blocks up to the causal
+    limit. Rows of padded tokens come back as zeros.
     """
     t, h, d = q.shape
     page_size, kvh = k_cache.shape[1], k_cache.shape[2]
@@ -129,11 +158,22 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: 
     qg = q.reshape(t, kvh, g, d)
     out = jnp.zeros((t + q_block, kvh, g, d), jnp.float32)
 
-    def decode_body(s: jax.Array, out: jax.Array) -> jax.Array:
-        o = _decode_one(qg[s], k_cache, v_cache, page_table[s], meta.kv_lens[s], scale, decode_block_pages)
-        return lax.dynamic_update_slice_in_dim(out, o[None], s, axis=0)
+    if decode_mode == "auto":
+        decode_mode = "loop" if jax.default_backend() == "cpu" else "batched"
+    if decode_mode == "batched":
+        n = min(t, page_table.shape[0])  # decode rows can be at most min(tokens, sequences)
+        is_decode = jnp.arange(n) < meta.num_decodes
+        o = _decode_batched(qg[:n], k_cache, v_cache, page_table[:n], jnp.where(is_decode, meta.kv_lens[:n], 0),
+                            scale, decode_block_pages)
+        out = out.at[:n].set(o)
+    elif decode_mode == "loop":
+        def decode_body(s: jax.Array, out: jax.Array) -> jax.Array:
+            o = _decode_one(qg[s], k_cache, v_cache, page_table[s], meta.kv_lens[s], scale, decode_block_pages)
+            return lax.dynamic_update_slice_in_dim(out, o[None], s, axis=0)
 
-    out = lax.fori_loop(0, meta.num_decodes, decode_body, out)
+        out = lax.fori_loop(0, meta.num_decodes, decode_body, out)
+    else:
+        raise ValueError(f"decode_mode must be auto, loop or batched, not {decode_mode!r}")
 
     q_pad = jnp.pad(qg, ((0, q_block), (0, 0), (0, 0), (0, 0)))
 
