@@ -80,7 +80,10 @@ def _sse_server(cached: int = 3):
         body = json.loads(request.content)
         assert body["stream"] and body["ignore_eos"] and body["model"] == "mock"
         n = body["max_tokens"]
-        chunks = [{"choices": [{"index": 0, "text": f"t{i}"}]} for i in range(n)]
+        assert body["logprobs"] == 0
+        # Every other token has no text (as random ids through a byte tokenizer): its logprobs still count.
+        chunks = [{"choices": [{"index": 0, "text": "" if i % 2 else f"t{i}", "logprobs": {"tokens": [f"t{i}"]}}]}
+                  for i in range(n)]
         chunks.append({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n,
                                                 "prompt_tokens_details": {"cached_tokens": cached}}})
         text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"

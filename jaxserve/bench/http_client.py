@@ -2,7 +2,9 @@
 
 Prompts go as token ids (vLLM, SGLang and jaxserve accept them), greedy with `ignore_eos` (a vLLM extension
 the others share) so outputs have the asked length; the final usage chunk gives the token counts and, where
-the server reports it, the cached prompt tokens.
+the server reports it, the cached prompt tokens. `logprobs: 0` makes servers send a chunk for every token even
+when its text is empty (random ids through a byte tokenizer often are); a chunk counts as a token arrival when
+it has text or logprob tokens.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from jaxserve.bench.results import RequestRecord
 async def _one(client, url: str, model: str, req: SampleRequest, arrival: float, start: float,
                progress: list[int], i: int) -> RequestRecord:
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
-            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}, "logprobs": 0}
     rec = RequestRecord(prompt_len=req.prompt_len, arrival=arrival - start, role=req.role)
     times: list[float] = []
     usage = None
@@ -39,7 +41,7 @@ async def _one(client, url: str, model: str, req: SampleRequest, arrival: float,
                 chunk = json.loads(data)
                 if chunk.get("usage"):
                     usage = chunk["usage"]
-                if any(c.get("text") for c in chunk.get("choices", [])):
+                if any(c.get("text") or (c.get("logprobs") or {}).get("tokens") for c in chunk.get("choices", [])):
                     times.append(time.perf_counter())
                     progress[i] = len(times)
     except Exception as e:  # network errors become failed requests, as in vLLM
