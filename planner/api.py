@@ -9,20 +9,28 @@ Three first-class predictions the runtime's report calls on a (calibrated) hardw
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from planner.disaggregate import DisaggPlan, plan_disaggregated
 from planner.hardware import Hardware, load_hardware
-from planner.memory import dtype_bytes
+from planner.memory import MemoryPlan, dtype_bytes
 from planner.model_spec import ModelSpec, load_model_spec
 from planner.search import Candidate, search
 from planner.serving import ServingConfig, ServingPrediction, Workload
 from planner.serving import predict_serving as _predict_serving
 from planner.simulate import SimResult, simulate
-from planner.step_model import StepTime, decode_shape, prefill_shape, step_time, step_time_shape
+from planner.step_model import (
+    StepTime,
+    decode_shape,
+    pad_tokens,
+    prefill_chunk_tokens,
+    prefill_shape,
+    step_time,
+    step_time_shape,
+)
 
 DEFAULT_CONCURRENCY = 64
 
@@ -34,27 +42,29 @@ def resolve_model(model: str | Path | ModelSpec) -> ModelSpec:
 
 def predict_step(model: str | ModelSpec, hardware: str | Path | Hardware, decode_context_lens: Iterable[int] = (),
                  prefill_chunks: Iterable[tuple[int, int]] = (), *, tp: int = 1, dtype: str = "bf16",
-                 kv_dtype: str | None = None) -> StepTime:
+                 kv_dtype: str | None = None, token_buckets: Sequence[int] = ()) -> StepTime:
     """Predicted time of one engine step (one TP group).
 
     decode_context_lens: tokens already in the KV cache of each decoding sequence (each adds one token).
     prefill_chunks: (chunk_len, already_computed_len) per prefill chunk in the same step.
+    token_buckets: the runtime's padding ladder; the step's matmuls run at the bucket holding its tokens.
     Returns a `StepTime`: `.total_s`, the additive terms, `.roofline_s` and `.bottleneck`.
     """
     return step_time(resolve_model(model), load_hardware(hardware), decode_context_lens, prefill_chunks, tp=tp,
-                     dtype=dtype, kv_dtype=kv_dtype)
+                     dtype=dtype, kv_dtype=kv_dtype, token_buckets=token_buckets)
 
 
 def predict_serving(model: str | ModelSpec, hardware: str | Path | Hardware, workload: Workload,
                     config: ServingConfig | None = None, *, ttft_slo_ms: float | None = None,
-                    tpot_slo_ms: float | None = None) -> ServingPrediction:
+                    tpot_slo_ms: float | None = None, memory: MemoryPlan | None = None) -> ServingPrediction:
     """Closed-form TTFT/TPOT/ITL (mean, p50, p90, p99 in ms), throughput and goodput for a fixed config.
 
     `workload` holds the lengths and either `request_rate` (Poisson, req/s) or `concurrency` (closed-loop
-    clients), both totals over `config.replicas`.
+    clients), both totals over `config.replicas`. `memory`: the KV pool actually allocated (e.g. the
+    runtime's, from `planner.memory.plan_memory` or its own page count) instead of a share of the device.
     """
     return _predict_serving(resolve_model(model), load_hardware(hardware), workload, config or ServingConfig(),
-                            ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms)
+                            ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms, memory=memory)
 
 
 @dataclass(frozen=True)
@@ -71,31 +81,39 @@ class ChunkChoice:
 
 def chunked_prefill_itls(model: str | ModelSpec, hardware: str | Path | Hardware, prompt_len: int, chunk_size: int,
                          *, decode_batch: int, context_len: int, tp: int = 1, dtype: str = "bf16",
-                         kv_dtype: str | None = None) -> list[float]:
-    """Step times (s) the running decodes see while `prompt_len` is prefilled in chunks of `chunk_size`."""
+                         kv_dtype: str | None = None, page_size: int = 1,
+                         token_buckets: Sequence[int] = ()) -> list[float]:
+    """Step times (s) the running decodes see while `prompt_len` is prefilled with a step budget `chunk_size`.
+
+    The budget holds the decodes too; each chunk ends on a `page_size` boundary as the runtime cuts it
+    (`page_size=1`: no alignment); `token_buckets` pads each step as the runtime does.
+    """
     spec, hw = resolve_model(model), load_hardware(hardware)
     dec = decode_shape(decode_batch, context_len)
     budget = max(1, chunk_size - decode_batch)
     times, done = [], 0
     while done < prompt_len:
-        q = min(budget, prompt_len - done)
+        q = prefill_chunk_tokens(done, prompt_len - done, budget, page_size)
         shape = dec + prefill_shape(q, done) if decode_batch else prefill_shape(q, done)
-        times.append(step_time_shape(spec, hw, shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype).total_s)
+        times.append(step_time_shape(spec, hw, shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype,
+                                     padded_tokens=pad_tokens(shape.num_tokens, token_buckets)).total_s)
         done += q
     return times
 
 
 def choose_chunk_size(model: str | ModelSpec, hardware: str | Path | Hardware, itl_target_ms: float, *,
                       prompt_len: int, decode_batch: int, context_len: int, tp: int = 1, dtype: str = "bf16",
-                      kv_dtype: str | None = None, page_size: int = 16) -> ChunkChoice:
-    """Largest page-aligned chunk whose steps keep the ITL of `decode_batch` running decodes <= target.
+                      kv_dtype: str | None = None, page_size: int = 16,
+                      token_buckets: Sequence[int] = ()) -> ChunkChoice:
+    """Largest step budget whose steps keep the ITL of `decode_batch` running decodes <= target.
 
     The chunk is the step's whole token budget (max_num_batched_tokens), decodes included, as the runtime
-    schedules it. If even one page exceeds the target, one page is returned (the best that can be done).
+    schedules it: `decode_batch` + a whole number of pages of prefill. If even one page exceeds the target,
+    one page is returned (the best that can be done).
     """
     spec, hw = resolve_model(model), load_hardware(hardware)
     kw: dict[str, Any] = dict(decode_batch=decode_batch, context_len=context_len, tp=tp, dtype=dtype,
-                              kv_dtype=kv_dtype)
+                              kv_dtype=kv_dtype, page_size=page_size, token_buckets=token_buckets)
 
     def worst(chunk: int) -> float:
         return max(chunked_prefill_itls(spec, hw, prompt_len, chunk, **kw))
@@ -112,10 +130,10 @@ def choose_chunk_size(model: str | ModelSpec, hardware: str | Path | Hardware, i
         else:
             hi = mid - 1
     chunk = lo * page_size + decode_batch
-    chunk = max(page_size, chunk // page_size * page_size)
     stalls = chunked_prefill_itls(spec, hw, prompt_len, chunk, **kw)
-    undisturbed = step_time_shape(spec, hw, decode_shape(max(decode_batch, 1), context_len), tp=tp, dtype=dtype,
-                                  kv_dtype=kv_dtype).total_s
+    b = max(decode_batch, 1)
+    undisturbed = step_time_shape(spec, hw, decode_shape(b, context_len), tp=tp, dtype=dtype, kv_dtype=kv_dtype,
+                                  padded_tokens=pad_tokens(b, token_buckets)).total_s
     unchunked = max(chunked_prefill_itls(spec, hw, prompt_len, prompt_len + decode_batch, **kw))
     return ChunkChoice(chunk_size=chunk, max_itl_ms=max(stalls) * 1e3, undisturbed_tpot_ms=undisturbed * 1e3,
                        unchunked_itl_ms=unchunked * 1e3, stall_itls_ms=tuple(t * 1e3 for t in stalls),

@@ -30,7 +30,15 @@ import numpy as np
 from planner.hardware import Hardware
 from planner.memory import MemoryPlan, plan_memory
 from planner.model_spec import ModelSpec
-from planner.step_model import StepShape, StepTime, decode_shape, prefill_shape, step_time_shape
+from planner.step_model import (
+    StepShape,
+    StepTime,
+    decode_shape,
+    pad_tokens,
+    prefill_chunk_tokens,
+    prefill_shape,
+    step_time_shape,
+)
 from planner.workload import Dist, ServingConfig, Workload
 
 __all__ = ["Dist", "ServingConfig", "ServingPrediction", "Workload", "erlang_c", "max_rate", "predict_serving"]
@@ -87,7 +95,8 @@ class _Model:
         if q:
             shape = shape + prefill_shape(q, computed)
         return step_time_shape(self.spec, self.hw, shape, tp=self.cfg.tp, dtype=self.cfg.dtype,
-                               kv_dtype=self.cfg.kv_dtype).total_s
+                               kv_dtype=self.cfg.kv_dtype,
+                               padded_tokens=pad_tokens(shape.num_tokens, self.cfg.token_buckets)).total_s
 
     def t_dec(self, b: float) -> float:
         """Decode-only step with b sequences (linear interpolation between integers)."""
@@ -103,21 +112,27 @@ class _Model:
         bi, c = int(round(b)), self.budget(b)
         n_tokens = int(round(n_tokens))
         base = self._t(bi, 0, 0) if bi else 0.0
-        p0 = int(self.prefix)
-        full, rem = divmod(n_tokens, c)
+        p0, page = int(self.prefix), self.cfg.page_size
+        # Chunks end on page boundaries, as the runtime cuts them; after the first, each is `c` rounded down to
+        # whole pages (when a page fits in the budget).
+        first = prefill_chunk_tokens(p0, n_tokens, c, page)
+        steady = c // page * page if c >= page else c
+        full, rem = divmod(n_tokens - first, steady)
         if full > 8:  # a full chunk's Delta is affine in the tokens before it: sum the series, keep a sample
-            d0 = self._t(bi, c, p0) - base
-            slope = (self._t(bi, c, p0 + c) - base - d0) / c
-            deltas = [d0 + slope * j * c for j in np.linspace(0, full - 1, 16).round().astype(int)]
-            total = full * d0 + slope * c * full * (full - 1) / 2
+            start = p0 + first
+            d_first = self._t(bi, first, p0) - base
+            d0 = self._t(bi, steady, start) - base
+            slope = (self._t(bi, steady, start + steady) - base - d0) / steady
+            deltas = [d_first] + [d0 + slope * j * steady for j in np.linspace(0, full - 1, 16).round().astype(int)]
+            total = d_first + full * d0 + slope * steady * full * (full - 1) / 2
             if rem:
-                last = self._t(bi, rem, p0 + full * c) - base
+                last = self._t(bi, rem, start + full * steady) - base
                 deltas.append(last)
                 total += last
-            return total, full + (1 if rem else 0), deltas
+            return total, 1 + full + (1 if rem else 0), deltas
         deltas, done = [], 0
         while done < n_tokens:
-            q = min(c, n_tokens - done)
+            q = prefill_chunk_tokens(p0 + done, n_tokens - done, c, page)
             deltas.append(self._t(bi, q, p0 + done) - base)
             done += q
         return sum(deltas), len(deltas), deltas

@@ -1,7 +1,8 @@
 """Discrete-event simulation of the runtime's scheduler, timed by the step model.
 
 Same scheduler as `planner.serving` models in closed form: each step carries every running decode first
-(one token each), then prefill chunks, oldest request first, within `chunk_size` tokens; a waiting request is
+(one token each), then prefill chunks (cut on page boundaries, as the runtime cuts them), oldest request
+first, within `chunk_size` tokens; steps run at the runtime's padded token count (`token_buckets`); a waiting request is
 admitted while fewer than `max_num_seqs` sequences (and the KV cache's share) are running. The first token
 comes at the end of the step that computes the last prompt token. Preemption is not modelled (admission
 keeps to the KV capacity for the full output). Used by the tests to check the closed form, and by
@@ -19,7 +20,14 @@ from planner.hardware import Hardware
 from planner.memory import plan_memory
 from planner.model_spec import ModelSpec
 from planner.serving import Dist, ServingConfig, Workload
-from planner.step_model import StepShape, decode_shape, prefill_shape, step_time_shape
+from planner.step_model import (
+    StepShape,
+    decode_shape,
+    pad_tokens,
+    prefill_chunk_tokens,
+    prefill_shape,
+    step_time_shape,
+)
 
 
 @dataclass
@@ -34,6 +42,11 @@ class _Req:
     last_token: float = -1.0
     finish: float = -1.0
     client: int = -1
+
+    @property
+    def start(self) -> int:
+        """Prompt tokens served from the prefix cache (already computed before the first chunk)."""
+        return self.input_len - self.to_compute
 
 
 @dataclass
@@ -100,18 +113,19 @@ def simulate(spec: ModelSpec, hw: Hardware, workload: Workload, config: ServingC
         chunks: list[tuple[_Req, int]] = []
         for q in running:
             if q.computed < q.to_compute and budget > 0:
-                n = min(budget, q.to_compute - q.computed)
+                n = prefill_chunk_tokens(q.start + q.computed, q.to_compute - q.computed, budget, config.page_size)
                 chunks.append((q, n))
                 budget -= n
         while waiting and budget > 0 and len(running) < slots:
             q = waiting.popleft()
             running.append(q)
-            n = min(budget, q.to_compute)
+            n = prefill_chunk_tokens(q.start, q.to_compute, budget, config.page_size)
             chunks.append((q, n))
             budget -= n
         for q, n in chunks:
-            shape = shape + prefill_shape(n, q.input_len - q.to_compute + q.computed)
-        dt = step_time_shape(spec, hw, shape, tp=config.tp, dtype=config.dtype, kv_dtype=config.kv_dtype).total_s
+            shape = shape + prefill_shape(n, q.start + q.computed)
+        dt = step_time_shape(spec, hw, shape, tp=config.tp, dtype=config.dtype, kv_dtype=config.kv_dtype,
+                             padded_tokens=pad_tokens(shape.num_tokens, config.token_buckets)).total_s
         now += dt
         steps += 1
         batch_sum += len(decodes)

@@ -104,11 +104,15 @@ def _act_bytes(dtype: str) -> float:
 
 
 def op_costs(spec: ModelSpec, shape: StepShape, *, tp: int = 1, dtype: str = "bf16",
-             kv_dtype: str | None = None) -> list[OpCost]:
-    """Per-operation FLOPs and bytes of one step on one device (see module docstring)."""
+             kv_dtype: str | None = None, padded_tokens: int = 0) -> list[OpCost]:
+    """Per-operation FLOPs and bytes of one step on one device (see module docstring).
+
+    `padded_tokens`: the token count the runtime pads the step to (its bucket); the matmuls, activations and
+    KV writes run over the padded rows, attention over the real query-key pairs.
+    """
     kv_dtype = kv_dtype or dtype
     bw, ba, bkv = dtype_bytes(dtype), _act_bytes(dtype), dtype_bytes(kv_dtype)
-    T, S = shape.num_tokens, shape.num_seqs
+    T, S = max(shape.num_tokens, padded_tokens), shape.num_seqs
     h, L = spec.hidden_size, spec.num_layers
     nh = spec.num_heads / tp
     ar = 1 if tp > 1 else 0
@@ -247,45 +251,48 @@ def time_ops(ops: Sequence[OpCost], spec: ModelSpec, shape: StepShape, hw: Hardw
                     roofline_s=roofline, flops=flops, bytes=nbytes, shape=shape)
 
 
+def pad_tokens(num_tokens: int, token_buckets: Sequence[int] = ()) -> int:
+    """The smallest bucket holding `num_tokens` (the runtime's padding); `num_tokens` itself past the ladder."""
+    return min((b for b in token_buckets if b >= num_tokens), default=num_tokens)
+
+
+def prefill_chunk_tokens(computed: int, owed: int, budget: int, page_size: int = 1) -> int:
+    """Tokens a prefill computes in one step, cut as the runtime's scheduler cuts them.
+
+    All it owes if that fits in `budget`; else a chunk ending on a page boundary; when no page boundary is
+    reachable, what fits (so a prefill always progresses and the next chunk realigns).
+    """
+    n = min(owed, budget)
+    if n < owed and page_size > 1:
+        aligned = (computed + n) // page_size * page_size - computed
+        if aligned > 0:
+            n = aligned
+    return max(n, 0)
+
+
 def step_time_shape(spec: ModelSpec, hw: Hardware, shape: StepShape, *, tp: int = 1, dtype: str = "bf16",
-                    kv_dtype: str | None = None, coefficients: Coefficients | None = None) -> StepTime:
+                    kv_dtype: str | None = None, coefficients: Coefficients | None = None,
+                    padded_tokens: int = 0) -> StepTime:
     """Step time for an aggregated `StepShape` (what the serving model and the simulator call)."""
     if shape.num_tokens <= 0:
         return StepTime(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, shape)
-    ops = op_costs(spec, shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype)
+    ops = op_costs(spec, shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype, padded_tokens=padded_tokens)
     return time_ops(ops, spec, shape, hw, tp=tp, dtype=dtype, coefficients=coefficients)
 
 
 def step_time(spec: ModelSpec, hw: Hardware, decode_context_lens: Iterable[int] = (),
               prefill_chunks: Iterable[tuple[int, int]] = (), *, tp: int = 1, dtype: str = "bf16",
-              kv_dtype: str | None = None, coefficients: Coefficients | None = None) -> StepTime:
+              kv_dtype: str | None = None, coefficients: Coefficients | None = None,
+              token_buckets: Sequence[int] = ()) -> StepTime:
     """Predicted time of one engine step on one TP group.
 
     `decode_context_lens`: tokens already cached for each decoding sequence (each decodes one token).
     `prefill_chunks`: (chunk_len, already_computed) for each prefill chunk in the step.
+    `token_buckets`: the runtime's padding ladder (the step runs at the smallest bucket holding its tokens).
     """
-    return step_time_shape(spec, hw, batch_shape(decode_context_lens, prefill_chunks), tp=tp, dtype=dtype,
-                           kv_dtype=kv_dtype, coefficients=coefficients)
-
-
-def prefill_time(spec: ModelSpec, hw: Hardware, prompt_len: int, chunk_size: int, *, computed: int = 0,
-                 decode_batch: int = 0, decode_context: float = 0.0, tp: int = 1, dtype: str = "bf16",
-                 kv_dtype: str | None = None) -> tuple[float, int]:
-    """Wall time and number of steps to prefill `prompt_len` new tokens in chunks of `chunk_size`.
-
-    Each step also carries `decode_batch` decodes (decode-first scheduling); the budget left for the prompt
-    is `chunk_size - decode_batch` tokens per step.
-    """
-    budget = max(1, chunk_size - decode_batch)
-    total, steps, done = 0.0, 0, 0
-    dec = decode_shape(decode_batch, decode_context) if decode_batch else StepShape()
-    while done < prompt_len:
-        q = min(budget, prompt_len - done)
-        total += step_time_shape(spec, hw, dec + prefill_shape(q, computed + done), tp=tp, dtype=dtype,
-                                 kv_dtype=kv_dtype).total_s
-        done += q
-        steps += 1
-    return total, steps
+    shape = batch_shape(decode_context_lens, prefill_chunks)
+    return step_time_shape(spec, hw, shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype, coefficients=coefficients,
+                           padded_tokens=pad_tokens(shape.num_tokens, token_buckets))
 
 
 def weight_time_per_device(spec: ModelSpec, hw: Hardware, tp: int, dtype: str = "bf16") -> float:

@@ -48,6 +48,7 @@ class ServingConfig:
     dtype: str = "bf16"
     kv_dtype: str | None = None
     gpu_memory_utilization: float = 0.9
+    token_buckets: tuple[int, ...] = ()  # the runtime's token padding ladder; () = no padding
 
     @property
     def num_devices(self) -> int:

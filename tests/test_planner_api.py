@@ -40,14 +40,16 @@ def test_predict_serving_at_rate_and_concurrency():
 def test_chunk_choice_meets_the_itl_target_and_depends_on_the_device():
     kw = dict(prompt_len=4096, decode_batch=4, context_len=512)
     undisturbed = planner.choose_chunk_size("small", "cpu", 1e9, dtype="fp32", **kw).undisturbed_tpot_ms
-    cpu = planner.choose_chunk_size("small", "cpu", 2 * undisturbed, dtype="fp32", **kw)
-    assert cpu.max_itl_ms <= 2 * undisturbed
-    assert cpu.chunk_size % 16 == 0 and cpu.chunk_size < 512  # a CPU's ridge point is low: small chunks
+    cpu = planner.choose_chunk_size("small", "cpu", 3 * undisturbed, dtype="fp32", **kw)
+    assert cpu.max_itl_ms <= 3 * undisturbed
+    assert (cpu.chunk_size - 4) % 16 == 0 and cpu.chunk_size < 512  # a CPU's ridge point is low: small chunks
+    hopeless = planner.choose_chunk_size("small", "cpu", undisturbed, dtype="fp32", **kw)
+    assert hopeless.chunk_size == 16 + 4 and hopeless.max_itl_ms > undisturbed  # one page: the best there is
     assert cpu.unchunked_itl_ms > 5 * cpu.undisturbed_tpot_ms
     gpu_undisturbed = planner.choose_chunk_size("llama-3.1-8b", "h100-sxm", 1e9, **kw).undisturbed_tpot_ms
     gpu = planner.choose_chunk_size("llama-3.1-8b", "h100-sxm", 2 * gpu_undisturbed, **kw)
     assert gpu.chunk_size > 4 * cpu.chunk_size  # a GPU decodes hundreds of tokens for the price of one
-    bigger = planner.choose_chunk_size("small", "cpu", 4 * undisturbed, dtype="fp32", **kw)
+    bigger = planner.choose_chunk_size("small", "cpu", 6 * undisturbed, dtype="fp32", **kw)
     assert bigger.chunk_size >= cpu.chunk_size
 
 
@@ -116,3 +118,19 @@ def test_planner_imports_without_jax():
 
     code = "import sys, planner, planner.cli; assert not any(m == 'jax' or m.startswith('jax.') for m in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_chunks_end_on_page_boundaries_and_steps_pad_to_buckets():
+    from planner.step_model import prefill_chunk_tokens
+
+    # Budget 60 after the decodes, pages of 16: 48 tokens (three pages), then realigned chunks; the tail whole.
+    assert prefill_chunk_tokens(0, 1000, 60, 16) == 48
+    assert prefill_chunk_tokens(40, 1000, 60, 16) == 56  # ends at 96
+    assert prefill_chunk_tokens(0, 50, 60, 16) == 50
+    assert prefill_chunk_tokens(3, 1000, 10, 16) == 10  # no boundary reachable: what fits
+    aligned = planner.chunked_prefill_itls("small", "cpu", 1000, 64, decode_batch=4, context_len=100, dtype="fp32",
+                                           page_size=16)
+    assert len(aligned) == 21  # ceil(1000 / 48), not ceil(1000 / 60) = 17
+    plain = planner.predict_step("small", "cpu", [100] * 3, dtype="fp32")
+    padded = planner.predict_step("small", "cpu", [100] * 3, dtype="fp32", token_buckets=(1, 2, 4, 8, 16))
+    assert padded.total_s > plain.total_s and padded.shape.num_tokens == 3
