@@ -39,7 +39,22 @@ from jaxserve.scheduler import Scheduler
 
 
 def create_engine(config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> LLMEngine:
-    """The engine a config asks for: colocated `LLMEngine` or `DisaggregatedEngine`."""
+    """The engine a config asks for: colocated `LLMEngine` or `DisaggregatedEngine`.
+
+    With `num_processes > 1` this joins the `jax.distributed` job first. Process 0 gets an engine that announces
+    every step to the others; any other process follows process 0's steps here and exits (SystemExit 0) when
+    process 0 stops.
+    """
+    if config.num_processes > 1:
+        from jaxserve import distributed
+
+        distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
+        engine = LLMEngine(config, clock)
+        if jax.process_index() == 0:
+            distributed.lead(engine.runner)
+            return engine
+        distributed.follow(engine.runner)
+        raise SystemExit(0)
     if config.disaggregate:
         return DisaggregatedEngine(config, clock)
     return LLMEngine(config, clock)

@@ -52,7 +52,23 @@ _OPTIONS = [
     click.option("--max-model-len", type=click.IntRange(min=1), default=None),
     click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True),
     click.option("--scheduling-policy", type=click.Choice(["fcfs", "lpm"]), default="fcfs", show_default=True),
-    click.option("--tensor-parallel-size", "-tp", default=1, show_default=True, type=click.IntRange(min=1)),
+    click.option("--tensor-parallel-size", "-tp", default=1, show_default=True, type=click.IntRange(min=1),
+                 help="Devices the model is sharded over (mesh axis tp); the first N devices."),
+    click.option("--disaggregate/--no-disaggregate", default=False, show_default=True,
+                 help="Prefill and decode on separate device groups, KV moved between them."),
+    click.option("--prefill-devices", default=1, show_default=True, type=click.IntRange(min=1),
+                 help="With --disaggregate: devices (and TP degree) of the prefill pool, the first ones."),
+    click.option("--decode-devices", default=1, show_default=True, type=click.IntRange(min=1),
+                 help="With --disaggregate: devices (and TP degree) of the decode pool, after the prefill ones."),
+    click.option("--max-pending-transfers", default=EngineConfig.max_pending_transfers, show_default=True,
+                 type=click.IntRange(min=1),
+                 help="With --disaggregate: prefilled requests waiting for the decode pool before prefill pauses."),
+    click.option("--coordinator-address", default=None, metavar="HOST:PORT",
+                 help="Multi-host: process 0's jax.distributed coordinator; the mesh spans every process."),
+    click.option("--num-processes", default=1, show_default=True, type=click.IntRange(min=1),
+                 help="Multi-host: processes in the job (one per host)."),
+    click.option("--process-id", default=0, show_default=True, type=click.IntRange(min=0),
+                 help="Multi-host: this process's rank; 0 schedules and serves, the others follow."),
 ]
 
 
@@ -65,7 +81,9 @@ def engine_options(fn: Callable) -> Callable:
 
 ENGINE_OPTION_NAMES = ("model", "dtype", "seed", "max_num_seqs", "max_num_batched_tokens", "chunk_size",
                        "page_size", "kv_cache_memory", "gpu_memory_utilization", "max_model_len",
-                       "enable_prefix_caching", "scheduling_policy", "tensor_parallel_size")
+                       "enable_prefix_caching", "scheduling_policy", "tensor_parallel_size", "disaggregate",
+                       "prefill_devices", "decode_devices", "max_pending_transfers", "coordinator_address",
+                       "num_processes", "process_id")
 
 
 def config_from_options(options: dict[str, Any], **overrides: Any) -> EngineConfig:

@@ -34,6 +34,10 @@ class EngineConfig:
     prefill_devices: int = 1
     decode_devices: int = 1
     max_pending_transfers: int = 8  # prefilled requests waiting for the decode pool before prefill pauses
+    # Multi-host (jax.distributed): one engine process per host; process 0 schedules, the others follow.
+    coordinator_address: str | None = None  # HOST:PORT of process 0's coordinator
+    num_processes: int = 1
+    process_id: int = 0
     served_model_name: str | None = None
     token_buckets: tuple[int, ...] = field(default_factory=tuple)  # empty: derived from the budgets
     seq_buckets: tuple[int, ...] = field(default_factory=tuple)
@@ -42,7 +46,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "page_size", "tensor_parallel_size",
-                     "prefill_devices", "decode_devices", "max_pending_transfers"):
+                     "prefill_devices", "decode_devices", "max_pending_transfers", "num_processes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.chunk_size % self.page_size and self.chunk_size > self.page_size:
@@ -55,6 +59,12 @@ class EngineConfig:
         if self.device_ids and len(self.device_ids) != self.tensor_parallel_size:
             raise ValueError(f"device_ids {self.device_ids} must name tensor_parallel_size "
                              f"({self.tensor_parallel_size}) devices")
+        if not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"process_id must be in [0, {self.num_processes}), got {self.process_id}")
+        if self.num_processes > 1 and not self.coordinator_address:
+            raise ValueError("num_processes > 1 needs coordinator_address (HOST:PORT of process 0)")
+        if self.num_processes > 1 and self.disaggregate:
+            raise ValueError("disaggregated serving runs in one process; it cannot be combined with num_processes > 1")
         if self.scheduling_policy not in ("fcfs", "lpm"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}")
 

@@ -37,13 +37,21 @@ class BuiltModel:
     spec: ModelSpec | None = None  # what runs: num_kv_heads raised to tp when KV heads are replicated
 
 
-def load_model(config: EngineConfig, spec: ModelSpec, dtype: jnp.dtype) -> nnx.Module:
-    """Seeded random weights for synthetic presets; otherwise read the checkpoint folder."""
+def load_model(config: EngineConfig, spec: ModelSpec, dtype: jnp.dtype,
+               mesh: jax.sharding.Mesh | None = None) -> nnx.Module:
+    """Seeded random weights for synthetic presets; otherwise read the checkpoint folder.
+
+    A checkpoint is read straight onto `mesh`, tensor by tensor, when every sharded axis divides evenly and the
+    mesh is local; otherwise it is read onto one device and sharded afterwards (`shard_model`).
+    """
     if spec.synthetic:
         return LlamaForCausalLM(spec, dtype, rngs=nnx.Rngs(config.seed))
     from jaxserve.model.weights import load_checkpoint
 
-    return load_checkpoint(os.path.expanduser(config.model), spec, dtype)
+    tp = mesh.devices.size if mesh is not None else 1
+    local = mesh is not None and all(d.process_index == jax.process_index() for d in mesh.devices.flat)
+    direct = local and all(n % tp == 0 for n in (spec.num_kv_heads, spec.vocab_size, spec.intermediate_size))
+    return load_checkpoint(os.path.expanduser(config.model), spec, dtype, mesh=mesh if direct else None)
 
 
 def kv_budget_bytes(config: EngineConfig, spec: ModelSpec, dtype_name: str,
@@ -88,7 +96,8 @@ def build_model_and_cache(config: EngineConfig, spec: ModelSpec) -> BuiltModel:
     tp = config.tensor_parallel_size
     run_spec = effective_spec(spec, tp)
     mesh = make_mesh(select_devices(tp, config.device_ids))
-    budget = kv_budget_bytes(config, spec, dtype_name, mesh.devices.flat[0])
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    budget = kv_budget_bytes(config, spec, dtype_name, local[0])
     num_pages = kv_pool_pages(spec, budget, config.page_size, dtype_name, tp)
     usable_tokens = (num_pages - 1) * config.page_size
     if usable_tokens < config.page_size:
@@ -97,7 +106,7 @@ def build_model_and_cache(config: EngineConfig, spec: ModelSpec) -> BuiltModel:
     if max_model_len > usable_tokens:
         raise ValueError(f"max_model_len {max_model_len} needs {max_model_len} KV slots but the pool holds "
                          f"{usable_tokens}; raise kv_cache_memory or lower max_model_len")
-    model = load_model(config, spec, dtype)
+    model = load_model(config, spec, dtype, mesh)
     replicate_kv_heads(model, spec, tp)
     shard_model(model, mesh)
     kv_caches = init_sharded_kv_cache(run_spec, num_pages, config.page_size, dtype, mesh)

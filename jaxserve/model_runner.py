@@ -14,6 +14,7 @@ KV pages move between pools with `gather_pages` and `insert_pages` (donated), co
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +72,7 @@ class ModelRunner:
         self.token_buckets = token_buckets
         self.seq_buckets = seq_buckets
         self.page_buckets = power_of_two_ladder(self.pages_per_seq)
+        self.step_hook: Callable[[RaggedBatch, SamplingArrays], None] | None = None  # multi-host: announce steps
         sharding = kv_caches[0][0].sharding
         self.mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
         if self.mesh is None:  # plain single-device arrays
@@ -155,6 +157,8 @@ class ModelRunner:
         """Enqueue the forward and the sampler for `batch`; returns device futures for `collect`."""
         if batch.num_seqs > self.max_num_seqs:
             raise ValueError(f"batch of {batch.num_seqs} sequences exceeds max_num_seqs={self.max_num_seqs}")
+        if self.step_hook is not None:
+            self.step_hook(batch, sampling)
         num_tokens = bucket_for(batch.num_tokens, self.token_buckets)
         token_ids, positions, meta, logits_indices = self._device_inputs(batch, num_tokens)
         hidden_rows, self.kv_caches = self._forward(self.params, self.kv_caches, token_ids, positions, meta,

@@ -112,10 +112,32 @@ def run_disagg_aborts(seed: int = 0) -> dict:
             "preemptions": engine.counters["num_preemptions"]}
 
 
+def run_tp_checkpoint(degrees: list[int]) -> dict:
+    """Greedy tokens of an HF checkpoint with qkv bias and an untied head (Qwen2-style), per TP degree."""
+    import dataclasses
+    import tempfile
+
+    from flax import nnx
+
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.model.checkpoint import save_hf_checkpoint
+    from jaxserve.model.llama import LlamaForCausalLM
+    from planner.model_spec import PRESETS
+
+    spec = dataclasses.replace(PRESETS["tiny"], name="tiny-qwen", architecture="qwen2", qkv_bias=True,
+                               tie_word_embeddings=False, synthetic=False)
+    folder = save_hf_checkpoint(LlamaForCausalLM(spec, rngs=nnx.Rngs(3)), spec, tempfile.mkdtemp() + "/hf")
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    return {str(tp): [o.outputs[0].token_ids for o in LLM(str(folder), tensor_parallel_size=tp, **ARGS)
+                      .generate(prompts(2, (9, 33)), sp)] for tp in degrees}
+
+
 if __name__ == "__main__":
     mode, *rest = sys.argv[1:]
     if mode == "tp":
         print(json.dumps(run_tp([int(x) for x in rest])))
+    elif mode == "tp-checkpoint":
+        print(json.dumps(run_tp_checkpoint([int(x) for x in rest])))
     elif mode == "disagg":
         print(json.dumps(run_disagg([tuple(int(x) for x in pair.split("+")) for pair in rest])))
     elif mode == "disagg-aborts":

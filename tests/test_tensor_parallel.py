@@ -61,6 +61,12 @@ def test_kv_pages_sharded_on_kv_heads_with_replication(tp_runs):
         assert run["num_pages"] == kv_pool_pages(spec, 2 * 2**20, 16, "fp32", tp)
 
 
+def test_checkpoint_with_qkv_bias_and_untied_head():
+    """Loading straight onto the mesh (TP 2) and re-laying qkv and its bias for replicated KV heads (TP 4)."""
+    runs = run_driver("tp-checkpoint", "1", "2", "4")
+    assert runs["2"] == runs["1"] and runs["4"] == runs["1"]
+
+
 def test_effective_spec_and_checks():
     spec = load_model_spec("tiny")  # 4 heads, 2 KV heads
     assert effective_spec(spec, 2) is spec
