@@ -159,3 +159,19 @@ def test_sharded_load_on_a_mesh(hf_folder):
     assert isinstance(qkv.sharding, jax.sharding.NamedSharding) and qkv.sharding.spec == partition_spec(
         "layers.0.attn.qkv")
     assert_same_params(model, loaded)
+
+
+def test_bfloat16_checkpoint_loads_as_float32(tmp_path):
+    """Real checkpoints ship in bf16; the loader casts each tensor to the model dtype."""
+    from safetensors.flax import save_file
+
+    from jaxserve.model.checkpoint import _hf_tensors, hf_config
+
+    model = LlamaForCausalLM(TINY, rngs=nnx.Rngs(2))
+    save_file({k: jnp.asarray(v, jnp.bfloat16) for k, v in _hf_tensors(model, TINY)},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(TINY)))
+    loaded = load_checkpoint(tmp_path, load_model_spec(str(tmp_path)), "float32")
+    expected = np.asarray(jnp.asarray(model.layers[1].attn.qkv[...], jnp.bfloat16).astype(jnp.float32))
+    assert loaded.layers[1].attn.qkv[...].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(loaded.layers[1].attn.qkv[...]), expected)
