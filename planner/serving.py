@@ -223,9 +223,25 @@ def _solve(m: _Model, lam: float, seen: float = 1.0, slot_wait: bool = True) -> 
     # Residual at arrival: of a lone prefill in service (it keeps the server until done, FCFS) or of a
     # decode-only step; then the queued prefill work ahead, packed into full chunks: W = R / (1 - rho).
     lone = np.array(own_samples)
+    # Residual at arrival: of a lone prefill in service (it keeps the server until done, FCFS) or of a
+    # decode-only step.
     u = min(1.0, (rho + lam * float(lone.mean())) / 2)
     resid = seen * (u * float(np.mean(lone**2)) / (2 * float(lone.mean())) + (1 - u) * t_d / 2)
-    wait = resid / (1 - rho * seen)
+    # Prompts queued ahead: each adds its Delta; its share of step time only when the prompts ahead overflow
+    # the step's budget (bulk service: about k = c'/I prompts share a step). With N ahead ~ geometric of mean
+    # L = lam W, the overflow fraction is p^(k-1), p = L / (1 + L).
+    mean_i = float(np.mean(pts))
+    k = c / mean_i
+    mean_d = float(np.mean([m.prefill(b, i)[0] for i in pts]))
+    wait = resid
+    for _ in range(50):
+        L = lam * seen * wait
+        p_tail = (L / (1 + L)) ** max(k - 1, 0.0) if L > 0 else (1.0 if k <= 1 else 0.0)
+        per_ahead = mean_d + t_d * mean_i / c * p_tail
+        new_wait = resid / max(1e-9, 1 - lam * seen * per_ahead)
+        if abs(new_wait - wait) < 1e-9:
+            break
+        wait = new_wait
     queue = wait - resid
     own = float(lone.mean())
     # Its last step also carries the prompts that arrived behind it, up to the token budget.
