@@ -8,9 +8,10 @@ Per replica, at a Poisson request rate lambda:
 - Decode batch from Little's law as a fixed point: B = lambda * (O - 1) * tau, where the mean step time is
   tau = t_dec(B) / (1 - lambda * E[Delta]), t_dec(B) the decode-only step and Delta a prompt's marginal
   prefill time (the extra time its chunks add to the steps that carry them).
-- Prefill as an M/G/1 queue of token work with vacations (the server looks at the queue only at step
-  boundaries): service S = Delta + (I/c') t_dec with c' = chunk_size - B the prefill budget per step;
-  Pollaczek-Khinchine wait lambda E[S^2] / (2 (1 - rho)) plus the residual of a decode step t_dec / 2.
+- Prefill as an M/G/1-type queue with vacations (the server looks at the queue only at step boundaries) and
+  bulk service: the residual of the prefill or decode step in progress, then the prompts queued ahead, each
+  adding its Delta and its share of a step (t_dec I/c', c' = chunk_size - B) only when they overflow the
+  budget; W = R / (1 - lambda E[per prompt ahead]).
 - Slots: if max_num_seqs (or KV) binds, an Erlang-C wait for a slot (M/M/c approximation).
 - Closed loop (`concurrency` clients, no think time): throughput X solves X * E2E(X) = min(C, slots), with
   queueing seen by an arrival scaled by (C - 1) / C (arrival theorem); extra clients wait for a slot.
@@ -216,12 +217,9 @@ def _solve(m: _Model, lam: float, seen: float = 1.0, slot_wait: bool = True) -> 
     rho = lam * es
     if rho >= 1:
         return _State(stable=False)
-    packed = float(np.mean(pts)) / c
-    mixed_per_s = lam * ((1 - rho) * float(np.mean(n_lone)) + rho * packed)
+    mixed_per_s = lam * ((1 - rho) * float(np.mean(n_lone)) + rho * float(np.mean(pts)) / c)
     f = min(1.0, mixed_per_s * tau)
     _, _, deltas = m.prefill(b, float(np.mean(pts)))
-    # Residual at arrival: of a lone prefill in service (it keeps the server until done, FCFS) or of a
-    # decode-only step; then the queued prefill work ahead, packed into full chunks: W = R / (1 - rho).
     lone = np.array(own_samples)
     # Residual at arrival: of a lone prefill in service (it keeps the server until done, FCFS) or of a
     # decode-only step.
@@ -232,7 +230,7 @@ def _solve(m: _Model, lam: float, seen: float = 1.0, slot_wait: bool = True) -> 
     # L = lam W, the overflow fraction is p^(k-1), p = L / (1 + L).
     mean_i = float(np.mean(pts))
     k = c / mean_i
-    mean_d = float(np.mean([m.prefill(b, i)[0] for i in pts]))
+    mean_d = float(np.mean([m.prefill(b, i)[0] for i in pts]))  # E[Delta]
     wait = resid
     for _ in range(50):
         L = lam * seen * wait
@@ -246,19 +244,18 @@ def _solve(m: _Model, lam: float, seen: float = 1.0, slot_wait: bool = True) -> 
     own = float(lone.mean())
     # Its last step also carries the prompts that arrived behind it, up to the token budget.
     # (arrivals during that step itself come too late for it).
-    last = t_seen + m.prefill(b_seen, float(np.mean(pts)))[2][-1]
+    last = t_seen + m.prefill(b_seen, mean_i)[2][-1]
     lone_own = own
-    own += _packed_extra(m, b, lam * seen * (wait + own - last), float(np.mean(pts)), c)
+    own += _packed_extra(m, b, lam * seen * (wait + own - last), mean_i, c)
     # The same packing, seen from the packed side: a request arriving while another prompt still has steps to
     # go rides its first chunk in that prompt's last step, so it needs one step fewer than alone.
     if max(n_lone) > 1:
         own -= min(1.0, lam * seen * (lone_own - last)) * last
     # Prompts that arrived during this request's wait and prefill and were not packed into its own last step
     # stall its decode: extra TPOT = lam * TTFT * E[Delta] * (1 - packable) / ((O - 1) (1 - lam E[Delta])).
-    mean_delta = float(np.mean([m.prefill(b, i)[0] for i in pts]))
-    packable = max(0.0, 1 - float(np.mean(pts)) / c)
-    tpot_extra = (lam * seen * (wait + own) * mean_delta * (1 - packable)
-                  / (max(out - 1, 1) * max(1e-9, 1 - lam * mean_delta)))
+    packable = max(0.0, 1 - mean_i / c)
+    tpot_extra = (lam * seen * (wait + own) * mean_d * (1 - packable)
+                  / (max(out - 1, 1) * max(1e-9, 1 - lam * mean_d)))
     service = own + wait + max(out - 1, 0) * (tau + tpot_extra)
     ws = 0.0
     if lam * service >= m.slots:
