@@ -48,6 +48,7 @@ class ReportConfig:
     long_decode_input: int = 64
     long_tail_tokens: int = 16
     kv_cache_memory: int | None = None  # bytes; None: the engine's default
+    token_buckets: tuple[int, ...] = ()  # empty: the engine's power-of-two ladder up to the budget
     calibration: Any = None  # a CalibrationConfig; None: the default (quick with --quick)
     quick: bool = False
 
@@ -67,7 +68,7 @@ class ReportConfig:
 
         return EngineConfig(model=self.model, dtype=self.dtype, seed=self.seed, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.budget, chunk_size=self.budget,
-                            kv_cache_memory=self.kv_cache_memory)
+                            kv_cache_memory=self.kv_cache_memory, token_buckets=self.token_buckets)
 
 
 @dataclass

@@ -56,7 +56,9 @@ def run_chunked(ctx) -> list[dict[str, Any]]:
     choice = choose_chunk_size(ctx.spec, ctx.hw, target, prompt_len=length, page_size=page, **kw)
     # The runtime cuts chunks on page boundaries: give it a budget of whole pages plus the decodes, so every
     # step prefills exactly `per_step` tokens, as predicted (planner/NEEDS_FROM_BENCH.md, item 1).
-    per_step = max(page, (choice.chunk_size - d) // page * page)
+    # It also pads a step to its token bucket, so the budget is the largest bucket within the planner's chunk.
+    fitting = [b for b in engine.runner.token_buckets if b <= choice.chunk_size and b - d >= page]
+    per_step = max(page, ((max(fitting) if fitting else choice.chunk_size) - d) // page * page)
     rows = []
     for label, budget, prefill in (("chunked", per_step + d, per_step), ("unchunked", cfg.budget, length)):
         stalls = [t * 1e3 for t in chunked_prefill_itls(ctx.spec, ctx.hw, length, prefill + d, **kw)]
