@@ -329,11 +329,15 @@ def _samples(m: _Model, st: _State, rng: np.random.Generator) -> tuple[np.ndarra
     outs = np.maximum(1, np.round(out * rng.uniform(1 - s, 1 + s, n))) if s else np.full(n, float(out))
     scale = rng.uniform(1 - s, 1 + s, n) if s else np.ones(n)
     own = st.own_prefill * scale
-    p_wait = min(max(st.rho, 1e-6), 1.0)
-    waits = np.where(rng.random(n) < p_wait, rng.exponential(st.queue / p_wait, n), 0.0)
-    resid = rng.exponential(st.resid, n)
+    # Wait before its prefill starts: with probability rho the prefill server is busy and the wait is roughly
+    # exponential (M/G/1 tail); otherwise only the residual of a decode step. The mean is the closed form's.
+    p_busy = min(max(st.rho, 1e-6), 0.999)
+    idle_mean = (st.t_d / 2) * (st.resid > 0)
+    busy_mean = max(0.0, st.queue + st.resid - (1 - p_busy) * idle_mean) / p_busy
+    busy = rng.random(n) < p_busy
+    waits = np.where(busy, rng.exponential(busy_mean, n), rng.uniform(0, 2 * idle_mean, n))
     slot = rng.exponential(st.wait_slot, n) if st.wait_slot > 0 else 0.0
-    ttft = own + waits + resid + slot
+    ttft = own + waits + slot
     extra = max(st.tau - st.t_d, 0.0)
     deltas = np.array(st.chunk_deltas or [0.0])
     per_mixed = extra / st.f_mixed if st.f_mixed > 0 else 0.0
