@@ -98,7 +98,10 @@ def write_plot(report: dict[str, Any], path: str | Path) -> None:
         color = f"C{k}"
         ax.plot(b, [r["measured_tpot_ms"] for r in pts], "o-", color=color, label=f"measured, ctx {ctx}")
         ax.plot(b, [r["predicted_tpot_ms"] for r in pts], "x--", color=color, label=f"predicted, ctx {ctx}")
+    sizes = sorted({r["config"]["batch_size"] for r in grid})
     ax.set(xscale="log", xlabel="batch size", ylabel="TPOT (ms)", title="Static batches: TPOT")
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.minorticks_off()
     ax.legend(fontsize=8)
     ax = axes[1]
     loads = sorted((r for r in rows if r["kind"] == "load"), key=lambda r: r["config"]["load_fraction"])
