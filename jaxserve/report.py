@@ -39,9 +39,9 @@ class ReportConfig:
     batch_sizes: tuple[int, ...] = (1, 4, 16)
     context_lens: tuple[int, ...] = (128, 512)
     grid_output_len: int = 16
-    load_input_len: int = 256
+    load_input_len: int = 128
     load_output_len: int = 32
-    load_num_prompts: int = 40
+    load_num_prompts: int = 48
     load_fractions: tuple[float, ...] = (0.5, 0.9)
     long_prompt_len: int = 4096
     long_decodes: int = 4
