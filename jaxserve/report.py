@@ -172,7 +172,10 @@ def run_loads(ctx: Context) -> list[dict[str, Any]]:
                          {"ttft_ms": m["mean_ttft_ms"], "tpot_ms": m["mean_tpot_ms"],
                           "throughput": m["output_throughput"]},
                          predicted_capacity_rps=capacity, simulated_ttft_ms=sim.ttft.mean,
-                         simulated_tpot_ms=sim.tpot.mean, measured_p99_ttft_ms=m["p99_ttft_ms"],
+                         simulated_tpot_ms=sim.tpot.mean,
+                         simulated_ttft_error_pct=_err(sim.ttft.mean, m["mean_ttft_ms"]),
+                         simulated_tpot_error_pct=_err(sim.tpot.mean, m["mean_tpot_ms"]),
+                         measured_p99_ttft_ms=m["p99_ttft_ms"],
                          predicted_p99_ttft_ms=pred.ttft.p99, completed=m["completed"], failed=m["failed"]))
         ctx.log(f"load {frac:.0%} of {capacity:.2f} req/s: TTFT {m['mean_ttft_ms']:.1f} ms (pred {pred.ttft.mean:.1f},"
                 f" sim {sim.ttft.mean:.1f}), TPOT {m['mean_tpot_ms']:.2f} ms (pred {pred.tpot.mean:.2f})")
@@ -198,6 +201,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "median_abs_error_throughput_pct": med(("grid", "load"), "throughput_error_pct"),
         "grid": {"ttft": med(("grid",), "ttft_error_pct"), "tpot": med(("grid",), "tpot_error_pct")},
         "load": {"ttft": med(("load",), "ttft_error_pct"), "tpot": med(("load",), "tpot_error_pct")},
+        "load_simulated": {"ttft": med(("load",), "simulated_ttft_error_pct"),
+                           "tpot": med(("load",), "simulated_tpot_error_pct")},
         "targets": {"tpot_pct": 10.0, "ttft_pct": 15.0, "chunked_p99_over_undisturbed": 2.0,
                     "unchunked_stall_over_undisturbed": 5.0, "chunked_prediction_pct": 20.0},
     }

@@ -28,7 +28,11 @@ def write_markdown(report: dict[str, Any], path: str | Path) -> None:
     lines += ["## Summary", "", "| metric | median abs error | target | met |", "|---|---|---|---|",
               f"| TPOT (grid + loads) | {_f(s['median_abs_error_tpot_pct'])}% | <= 10% | {s['met']['tpot']} |",
               f"| TTFT (grid + loads) | {_f(s['median_abs_error_ttft_pct'])}% | <= 15% | {s['met']['ttft']} |",
-              f"| throughput | {_f(s['median_abs_error_throughput_pct'])}% | | |", ""]
+              f"| throughput | {_f(s['median_abs_error_throughput_pct'])}% | | |",
+              f"| loads only, closed form: TTFT / TPOT | {_f(s['load']['ttft'])}% / {_f(s['load']['tpot'])}% | | |",
+              f"| loads only, simulator (same arrivals count): TTFT / TPOT | {_f(s['load_simulated']['ttft'])}% / "
+              f"{_f(s['load_simulated']['tpot'])}% | | |",
+              f"| grid only: TTFT / TPOT | {_f(s['grid']['ttft'])}% / {_f(s['grid']['tpot'])}% | | |", ""]
     cp = s.get("chunked_prefill")
     if cp:
         lines += [f"Chunked prefill (planner chunk: step budget {cp['chunk_step_budget']}): p99 ITL / undisturbed "
@@ -61,7 +65,7 @@ def write_markdown(report: dict[str, Any], path: str | Path) -> None:
                          f"{_f(r['predicted_throughput'])} | {_f(r['measured_throughput'])} |")
     lines += ["", "## Chunked prefill (decodes running while a long prompt arrives)", "",
               "| mode | step budget | prefill/step | undisturbed pred | meas | p99 ITL pred | meas | max ITL pred "
-              "| meas | long TTFT pred | meas |", "|" + "---|" * 11]
+              "| meas | long TTFT pred | meas | p99 / max pred, whole q-blocks |", "|" + "---|" * 12]
     for r in rows:
         if r["kind"] == "chunked-prefill":
             c = r["config"]
@@ -69,7 +73,9 @@ def write_markdown(report: dict[str, Any], path: str | Path) -> None:
                          f"{_f(r['predicted_undisturbed_itl_ms'])} | {_f(r['measured_undisturbed_itl_ms'])} | "
                          f"{_f(r['predicted_p99_itl_ms'])} | {_f(r['measured_p99_itl_ms'])} | "
                          f"{_f(r['predicted_max_itl_ms'])} | {_f(r['measured_max_itl_ms'])} | "
-                         f"{_f(r['predicted_ttft_ms'])} | {_f(r['measured_ttft_ms'])} |")
+                         f"{_f(r['predicted_ttft_ms'])} | {_f(r['measured_ttft_ms'])} | "
+                         f"{_f(r.get('predicted_block_padded_p99_itl_ms'))} / "
+                         f"{_f(r.get('predicted_block_padded_max_itl_ms'))} |")
     lines += ["", "Errors are (predicted - measured) / measured. Grid predictions: the planner's discrete-event "
               "simulator of the same static batch; loads: its closed form (the simulator's figure beside it).", ""]
     Path(path).write_text("\n".join(lines))
