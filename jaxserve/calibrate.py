@@ -149,7 +149,18 @@ def measure_gemm_rows(rows: tuple[int, ...], k: int, n: int, dtype: Any, repeats
     return out
 
 
-# Engine steps -----------------------------------------------------------------------------------------------
+def measure_weight_stream(layers: int, k: int, n: int, dtype: Any, repeats: int = 3) -> float:
+    """Bytes/s of one token through `layers` distinct [k, n] weights (a decode's weight streaming, beyond cache)."""
+    import jax
+    import jax.numpy as jnp
+
+    ws = [jnp.full((k, n), 1e-3 * (i + 1), dtype) for i in range(layers)]
+    x = jnp.ones((1, k), dtype)
+    f = jax.jit(lambda x, ws: sum(x @ w for w in ws))
+    return layers * k * n * np.dtype(dtype).itemsize / _best_time(lambda: f(x, ws), repeats)
+
+
+# The profile ------------------------------------------------------------------------------------------------------
 def local_hardware(memory_bw: float, peak: float, dtype: str) -> tuple[Hardware, str]:
     """A `Hardware` for the local device with measured peak and bandwidth; links from the catalog if known."""
     import jax
@@ -210,9 +221,10 @@ def calibrate(engine, cfg: CalibrationConfig | None = None, progress: Progress |
     with step_budget(engine, cfg.mixed_chunk):
         samples += measure_mixed(engine, ids, min(cfg.mixed_decodes, engine.config.max_num_seqs - 1), prompt)
     say("fitting", 0.95)
-    # With one model the weight term barely varies between steps, so it is measured: a one-row GEMM at the
-    # model's widest shape streams its weight; its bandwidth over the stream bandwidth is weight_bw_eff.
-    fixed = {"weight_bw_eff": float(np.clip(gemm[0]["gbps"] * GIGA / bw, 0.01, 1.5))}
+    # With one model the weight term barely varies between steps, so it is measured: one row through every
+    # layer's widest weight (more bytes than a cache holds); its bandwidth over the stream's is weight_bw_eff.
+    stream = measure_weight_stream(spec.num_layers, spec.hidden_size, 2 * spec.intermediate_size, engine.dtype)
+    fixed = {"weight_bw_eff": float(np.clip(stream / bw, 0.01, 1.5))}
     coefficients, _ = fit_coefficients(spec, hw, [Sample(s.shape, s.seconds) for s in samples], dtype=dtype,
                                        fixed=fixed)
     hw = hw.with_coefficients(**coefficients.to_dict())
@@ -223,6 +235,7 @@ def calibrate(engine, cfg: CalibrationConfig | None = None, progress: Progress |
     measurements = {
         "device": device, "model": spec.name, "dtype": dtype, "memory_bandwidth_gbps": bw / GIGA,
         "matmul_tflops": peak / 1e12, "matmul_n": cfg.matmul_n, "gemm_rows": gemm, "fixed_coefficients": fixed,
+        "weight_stream_gbps": stream / GIGA,
         "attention_us_per_seq_token": attention,
         "engine": {"max_num_seqs": engine.config.max_num_seqs,
                    "max_num_batched_tokens": engine.config.max_num_batched_tokens,
