@@ -154,7 +154,9 @@ class LLMEngine:
         rows = [(r.sampling_params, self._tracked[r.request_id].seed, len(r.output_token_ids))
                 for r in batch.requests]
         sampling = SamplingArrays.build(rows, self.runner.sampling_bucket(batch.num_seqs))
+        compiles = self.runner.compile_count()
         result = self.runner.execute(batch, sampling)
+        compiled = self.runner.compile_count() > compiles
         sampled = np.where(batch.samples, result.tokens, -1)
         self.scheduler.update_after_step(batch, sampled)
         now = self.clock()
@@ -168,7 +170,7 @@ class LLMEngine:
             except Exception as e:  # one request's failure (e.g. detokenizing) must not stop the others
                 log.exception("request %s failed", req.request_id)
                 outputs.append(self._fail(tracked, f"internal error: {type(e).__name__}: {e}"))
-        self._record_step(batch, start)
+        self._record_step(batch, start, compiled)
         return outputs
 
     def _postprocess(self, tracked: _Tracked, result, s: int, now: float) -> RequestOutput:
@@ -202,7 +204,7 @@ class LLMEngine:
                                                                strict=True)})
         return entry
 
-    def _record_step(self, batch, start: float) -> None:
+    def _record_step(self, batch, start: float, compiled: bool) -> None:
         stats = self.scheduler.stats()
         self.counters["steps"] += 1
         self.counters["num_preemptions"] += stats.num_preemptions
@@ -214,7 +216,11 @@ class LLMEngine:
             num_prefill_tokens=batch.num_prefill_tokens, num_decode_tokens=batch.num_decodes,
             num_running=stats.num_running, num_waiting=stats.num_waiting, kv_usage=stats.kv_usage,
             num_preemptions=stats.num_preemptions, prefix_queries=stats.prefix_queries,
-            prefix_hits=stats.prefix_hits)
+            prefix_hits=stats.prefix_hits, decode_context_tokens=int(batch.kv_lens[: batch.num_decodes].sum()),
+            prefill_chunks=[(int(batch.cu_q_lens[s + 1] - batch.cu_q_lens[s]),
+                             int(batch.kv_lens[s] - (batch.cu_q_lens[s + 1] - batch.cu_q_lens[s])))
+                            for s in range(batch.num_decodes, batch.num_seqs)],
+            compiled=compiled)
 
     def _output(self, tracked: _Tracked) -> RequestOutput:
         req = tracked.request
@@ -231,6 +237,17 @@ class LLMEngine:
         return RequestOutput(request_id=req.request_id, prompt=tracked.prompt,
                              prompt_token_ids=req.prompt_token_ids, outputs=[completion],
                              finished=status.finished, metrics=metrics, num_cached_tokens=cached)
+
+    def set_step_budget(self, max_num_batched_tokens: int, chunk_size: int | None = None) -> None:
+        """Change the per-step token budget (and prefill chunk) of a running engine, within its buckets."""
+        largest = self.runner.token_buckets[-1]
+        chunk_size = chunk_size or max_num_batched_tokens
+        if not 1 <= max_num_batched_tokens <= largest:
+            raise ValueError(f"max_num_batched_tokens must be in [1, {largest}] (the largest compiled bucket)")
+        if not 1 <= chunk_size <= max_num_batched_tokens:
+            raise ValueError(f"chunk_size must be in [1, max_num_batched_tokens={max_num_batched_tokens}]")
+        self.scheduler.config.max_num_batched_tokens = max_num_batched_tokens
+        self.scheduler.config.chunk_size = chunk_size
 
     def stats(self) -> dict[str, float]:
         """A snapshot of the engine's gauges and counters."""

@@ -107,3 +107,6 @@ class StepStats:
     num_preemptions: int  # in this step
     prefix_queries: int  # prompt tokens looked up in the prefix cache in this step
     prefix_hits: int  # of those, tokens served from cache
+    decode_context_tokens: int = 0  # sum of the decodes' KV lengths (the attention a step reads)
+    prefill_chunks: list[tuple[int, int]] = field(default_factory=list)  # (chunk tokens, tokens before it)
+    compiled: bool = False  # the step compiled a new variant (never after warm-up)

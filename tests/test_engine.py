@@ -124,3 +124,22 @@ def test_a_request_that_fails_internally_fails_alone(tiny_llm):
     assert finished["broken"].finish_reason == "abort" and "detokenizer exploded" in finished["broken"].error
     assert len(finished["healthy"].token_ids) == 4 and finished["healthy"].error is None
     assert engine.kv_manager.num_used_pages == 0
+
+
+def test_step_stats_describe_the_step_and_the_budget_can_change(tiny_llm):
+    engine = tiny_llm.engine
+    engine.set_step_budget(32, 32)
+    try:
+        engine.add_request("long", list(range(100)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        engine.step()
+        first = engine.last_step
+        assert first.num_tokens == 32 and first.prefill_chunks == [(32, 0)] and not first.compiled
+        engine.step()
+        assert engine.last_step.prefill_chunks == [(32, 32)]
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.last_step.decode_context_tokens == 101 and engine.last_step.prefill_chunks == []
+        with pytest.raises(ValueError, match="largest compiled bucket"):
+            engine.set_step_budget(10**6)
+    finally:
+        engine.set_step_budget(TINY_ENGINE_ARGS["max_num_batched_tokens"], TINY_ENGINE_ARGS["chunk_size"])
