@@ -23,8 +23,12 @@ from jaxserve.calibrate_steps import step_budget
 WARM_TOKENS = 8
 
 
-def decode_gaps(run: RunResult) -> tuple[list[float], list[float]]:
-    """(all gaps, gaps of steps without prefill) of the `decode` requests, in ms."""
+def decode_gaps(run: RunResult, decodes: int | None = None) -> tuple[list[float], list[float]]:
+    """(all gaps, undisturbed gaps) of the `decode` requests, in ms.
+
+    Undisturbed: the step had no prefill (and, given `decodes`, exactly that many decodes: once the long
+    prompt decodes beside them its 4k-token context makes every step slower).
+    """
     ends = [s.end for s in run.steps]
     all_gaps, quiet = [], []
     for rec, times in zip(run.records, run.token_times, strict=True):
@@ -34,7 +38,8 @@ def decode_gaps(run: RunResult) -> tuple[list[float], list[float]]:
             k = min(bisect.bisect_left(ends, b - 1e-9), len(ends) - 1)
             gap = (b - a) * 1e3
             all_gaps.append(gap)
-            if run.steps[k].num_prefill_tokens == 0:
+            step = run.steps[k]
+            if step.num_prefill_tokens == 0 and (decodes is None or step.num_decodes == decodes):
                 quiet.append(gap)
     return all_gaps, quiet
 
@@ -90,7 +95,7 @@ def run_chunked(ctx) -> list[dict[str, Any]]:
                                       seed=cfg.seed + budget), ctx.spec.vocab_size, ())
         with step_budget(engine, budget):
             run = run_engine(engine, reqs, LoadConfig(), salt=ctx.next_salt())
-        gaps, quiet = decode_gaps(run)
+        gaps, quiet = decode_gaps(run, d)
         pred_gaps = _predicted_gaps(undisturbed, stalls, out_len - 1) * d  # pooled over the decodes, as measured
         long_rec = next(r for r in run.records if r.role == "long")
         meas = {"undisturbed": float(np.median(quiet)) if quiet else math.nan,
