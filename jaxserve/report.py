@@ -48,7 +48,7 @@ class ReportConfig:
     long_decode_input: int = 64
     long_tail_tokens: int = 16
     kv_cache_memory: int | None = None  # bytes; None: the engine's default
-    token_buckets: tuple[int, ...] = ()  # empty: the engine's power-of-two ladder up to the budget
+    token_buckets: tuple[int, ...] | None = None  # None: `half_octave_ladder(budget)`; (): the engine's default
     calibration: Any = None  # a CalibrationConfig; None: the default (quick with --quick)
     quick: bool = False
 
@@ -68,7 +68,22 @@ class ReportConfig:
 
         return EngineConfig(model=self.model, dtype=self.dtype, seed=self.seed, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.budget, chunk_size=self.budget,
-                            kv_cache_memory=self.kv_cache_memory, token_buckets=self.token_buckets)
+                            kv_cache_memory=self.kv_cache_memory,
+                            token_buckets=half_octave_ladder(self.budget) if self.token_buckets is None
+                            else self.token_buckets)
+
+
+def half_octave_ladder(limit: int) -> tuple[int, ...]:
+    """1, 2, 3, 4, 6, 8, 12, 16, ... up to `limit` (and `limit`): at most 1.5x padding, 2x with powers of two.
+
+    The runtime pads each step to its bucket and the planner does not model padding yet
+    (planner/NEEDS_FROM_BENCH.md, item 2), so the report's engine uses a finer ladder than the default.
+    """
+    out, b = [], 1
+    while b < limit:
+        out += [b] if b < 2 else [b, b * 3 // 2]
+        b *= 2
+    return tuple(sorted({x for x in out if x < limit} | {limit}))
 
 
 @dataclass
@@ -91,8 +106,11 @@ class Context:
         from planner.serving import ServingConfig
 
         c = self.engine.config
+        extra = {}
+        if "token_buckets" in ServingConfig.__dataclass_fields__:  # once the planner models padding
+            extra["token_buckets"] = tuple(self.engine.runner.token_buckets)
         return ServingConfig(max_num_seqs=c.max_num_seqs, chunk_size=budget or self.cfg.budget, page_size=c.page_size,
-                             dtype=self.dtype)
+                             dtype=self.dtype, **extra)
 
 
 def _err(pred: float | None, meas: float | None) -> float | None:
