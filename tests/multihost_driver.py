@@ -1,7 +1,7 @@
 """One process of a localhost `jax.distributed` job on CPU (one device each): prints process 0's greedy tokens.
 
-`python tests/multihost_driver.py PORT NUM_PROCESSES PROCESS_ID`; with NUM_PROCESSES 1 it runs alone (the
-reference). The mesh spans every process's device, so NUM_PROCESSES 2 is TP 2 across two processes.
+`python tests/multihost_driver.py PORT NUM_PROCESSES PROCESS_ID [TP]`; with NUM_PROCESSES 1 it runs alone (the
+reference). The mesh spans every process's devices: TP defaults to NUM_PROCESSES (one device per process).
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ PROMPTS = [[5, 9, 200, 17], list(range(30, 100)), [101] * 21]
 
 if __name__ == "__main__":
     port, n, pid = (int(x) for x in sys.argv[1:4])
+    tp = int(sys.argv[4]) if len(sys.argv) > 4 else n
     from jaxserve import LLM, SamplingParams
 
     kw = dict(coordinator_address=f"localhost:{port}", num_processes=n, process_id=pid) if n > 1 else {}
-    llm = LLM("tiny", tensor_parallel_size=n, **ARGS, **kw)  # processes > 0 follow inside and exit here
+    llm = LLM("tiny", tensor_parallel_size=tp, **ARGS, **kw)  # processes > 0 follow inside and exit here
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12))
     more = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.8, seed=3, max_tokens=6))
     print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs + more],

@@ -65,3 +65,16 @@ def test_config_checks():
         EngineConfig(disaggregate=True, decode_devices=0)
     with pytest.raises(ValueError, match="device_ids"):
         EngineConfig(tensor_parallel_size=2, device_ids=(0,))
+    with pytest.raises(ValueError, match="coordinator_address"):
+        EngineConfig(num_processes=2)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        EngineConfig(num_processes=2, coordinator_address="localhost:1", disaggregate=True)
+
+
+def test_too_few_devices_is_a_clear_error():
+    from jaxserve.disaggregated import create_engine
+
+    with pytest.raises(ValueError, match="needs 2 devices"):
+        create_engine(EngineConfig(disaggregate=True, warmup=False))
+    with pytest.raises(ValueError, match="visible"):
+        create_engine(EngineConfig(tensor_parallel_size=2, warmup=False, kv_cache_memory=2**20))

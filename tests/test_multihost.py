@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from jaxserve.batch import RaggedBatch
 from jaxserve.distributed import pack, unpack
@@ -25,27 +26,45 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env() -> dict:
+def _env(devices_per_process: int = 1) -> dict:
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one CPU device per process
+    env.pop("XLA_FLAGS", None)
+    if devices_per_process > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
     return env
 
 
-def test_two_processes_same_tokens_as_one():
-    port = str(_free_port())
-    cmd = [sys.executable, str(DRIVER), port, "2"]
-    follower = subprocess.Popen([*cmd, "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-    leader = subprocess.run([*cmd, "0"], capture_output=True, text=True, timeout=300, env=_env())
-    out_f, err_f = follower.communicate(timeout=120)
+def _two_processes(tp: int, devices_per_process: int) -> dict:
+    cmd = [sys.executable, str(DRIVER), str(_free_port()), "2"]
+    env = _env(devices_per_process)
+    follower = subprocess.Popen([*cmd, "1", str(tp)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env)
+    leader = subprocess.run([*cmd, "0", str(tp)], capture_output=True, text=True, timeout=300, env=env)
+    _, err_f = follower.communicate(timeout=120)
     assert leader.returncode == 0, leader.stderr[-3000:]
-    assert follower.returncode == 0, err_f[-3000:]
-    two = json.loads(leader.stdout.strip().splitlines()[-1])
+    assert follower.returncode == 0, err_f[-3000:]  # followers exit cleanly once process 0 stops
+    return json.loads(leader.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def one_process() -> dict:
     alone = subprocess.run([sys.executable, str(DRIVER), "0", "1", "0"], capture_output=True, text=True,
                            timeout=300, env=_env())
     assert alone.returncode == 0, alone.stderr[-3000:]
-    one = json.loads(alone.stdout.strip().splitlines()[-1])
-    assert two["devices"] == 2 and one["devices"] == 1
-    assert two["tokens"] == one["tokens"]
+    return json.loads(alone.stdout.strip().splitlines()[-1])
+
+
+def test_two_processes_same_tokens_as_one(one_process):
+    two = _two_processes(tp=2, devices_per_process=1)
+    assert two["devices"] == 2 and one_process["devices"] == 1
+    assert two["tokens"] == one_process["tokens"]
+
+
+@pytest.mark.slow
+def test_two_processes_of_two_devices_tp4_with_kv_replication(one_process):
+    four = _two_processes(tp=4, devices_per_process=2)
+    assert four["devices"] == 4
+    assert four["tokens"] == one_process["tokens"]
 
 
 def test_step_message_round_trip():
