@@ -124,6 +124,13 @@ class _DecodeScheduler(Scheduler):
         return True
 
 
+class _PrefillScheduler(Scheduler):
+    """The prefill pool's scheduler: a request leaves after its first token, so admission reserves no decode growth."""
+
+    def _growth_pages(self, req: Request) -> int:
+        return max(0, self.kv.pages_for(req.num_prompt_tokens) - len(req.page_ids))
+
+
 class DisaggregatedEngine(LLMEngine):
     """Prefill on one device group, decode on another, KV moved between them (see module doc)."""
 
@@ -137,6 +144,7 @@ class DisaggregatedEngine(LLMEngine):
         decode_config = dataclasses.replace(base, tensor_parallel_size=d, device_ids=tuple(range(p, p + d)),
                                             enable_prefix_caching=False)
         self.prefill = LLMEngine(prefill_config, clock)
+        self.prefill.scheduler = _PrefillScheduler(self.prefill.scheduler.config, self.prefill.kv_manager)
         super().__init__(decode_config, clock)
         self.disagg_config = config
         self.max_model_len = min(self.max_model_len, self.prefill.max_model_len)
