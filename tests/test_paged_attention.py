@@ -71,9 +71,10 @@ def dense_reference(q, k_cache, v_cache, m, scale):
 
 @functools.cache
 def attention_fn(kv_block: int, q_block: int, decode_mode: str):
+    # small_q_block below q_block: short chunks take the small-block path, longer ones the q_block path.
     return jax.jit(functools.partial(paged_attention, scale=D**-0.5, kv_block=kv_block, q_block=q_block,
                                      decode_kv_block=2 * kv_block, decode_tail_block=PAGE_SIZE,
-                                     decode_mode=decode_mode))
+                                     decode_mode=decode_mode, small_q_block=max(1, q_block // 2)))
 
 
 def check(rng, heads, kv_heads, decode_ctx, prefill, kv_block=8, q_block=8, decode_mode="loop"):

@@ -12,6 +12,7 @@ over later.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from jaxserve.model.metadata import AttentionMetadata
 # KV tokens per inner block (rounded to whole pages) and query rows per prefill block.
 DEFAULT_KV_BLOCK = 256
 DEFAULT_Q_BLOCK = 128
+DEFAULT_SMALL_Q_BLOCK = 16
 DEFAULT_DECODE_KV_BLOCK = 512
 DEFAULT_DECODE_TAIL_BLOCK = 128
 
@@ -147,15 +149,15 @@ def _prefill_block(qb: jax.Array, q_pos0: jax.Array, k_cache: jax.Array, v_cache
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata,
                     scale: float, *, kv_block: int = DEFAULT_KV_BLOCK, q_block: int = DEFAULT_Q_BLOCK,
                     decode_kv_block: int = DEFAULT_DECODE_KV_BLOCK, decode_tail_block: int = DEFAULT_DECODE_TAIL_BLOCK,
-                    decode_mode: str = "auto") -> jax.Array:
+                    decode_mode: str = "auto", small_q_block: int = DEFAULT_SMALL_Q_BLOCK) -> jax.Array:
     """Causal attention of ragged queries q [T, H, D] over paged K/V (already holding this step's tokens).
 
     Decode sequences (the first `num_decodes`, one query each) loop over their own KV blocks
     (`decode_mode="loop"`, O(sum of contexts), best on CPU; `decode_kv_block` tokens per block, the remainder
     in `decode_tail_block` blocks) or go all at once over blocks up to the longest
     context (`"batched"`, fewer and larger ops, for GPUs); "auto" picks loop on CPU, batched elsewhere.
-    Prefill chunks loop over query blocks of `q_block` rows and, for each, over the KV blocks up to the causal
-    limit. Rows of padded tokens come back as zeros.
+    Prefill chunks loop over query blocks of `q_block` rows (`small_q_block` rows for chunks that short) and,
+    for each, over the KV blocks up to the causal limit. Rows of padded tokens come back as zeros.
     """
     t, h, d = q.shape
     page_size, kvh = k_cache.shape[1], k_cache.shape[2]
@@ -194,17 +196,23 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: 
         ctx = kv_len - q_len  # position of the first query token
         page_row = page_table[s]
 
-        def qblock_body(i: jax.Array, out: jax.Array) -> jax.Array:
-            row0 = q_start + i * q_block
-            qb = lax.dynamic_slice_in_dim(q_pad, row0, q_block, axis=0)
-            kv_end = jnp.minimum(kv_len, ctx + (i + 1) * q_block)
-            o = _prefill_block(qb, ctx + i * q_block, k_cache, v_cache, page_row, kv_len, kv_end, scale,
-                               block_pages)
-            old = lax.dynamic_slice_in_dim(out, row0, q_block, axis=0)
-            keep = (row0 + jnp.arange(q_block) < q_end)[:, None, None, None]
-            return lax.dynamic_update_slice_in_dim(out, jnp.where(keep, o, old), row0, axis=0)
+        def in_blocks(rows: int, out: jax.Array) -> jax.Array:
+            def qblock_body(i: jax.Array, out: jax.Array) -> jax.Array:
+                row0 = q_start + i * rows
+                qb = lax.dynamic_slice_in_dim(q_pad, row0, rows, axis=0)
+                kv_end = jnp.minimum(kv_len, ctx + (i + 1) * rows)
+                o = _prefill_block(qb, ctx + i * rows, k_cache, v_cache, page_row, kv_len, kv_end, scale,
+                                   block_pages)
+                old = lax.dynamic_slice_in_dim(out, row0, rows, axis=0)
+                keep = (row0 + jnp.arange(rows) < q_end)[:, None, None, None]
+                return lax.dynamic_update_slice_in_dim(out, jnp.where(keep, o, old), row0, axis=0)
 
-        return lax.fori_loop(0, (q_len + q_block - 1) // q_block, qblock_body, out)
+            return lax.fori_loop(0, (q_len + rows - 1) // rows, qblock_body, out)
+
+        if small_q_block >= q_block:
+            return in_blocks(q_block, out)
+        # Short chunks (small chunk sizes under decode load) would pay for q_block rows of attention each.
+        return lax.cond(q_len <= small_q_block, partial(in_blocks, small_q_block), partial(in_blocks, q_block), out)
 
     out = lax.fori_loop(meta.num_decodes, meta.num_seqs, prefill_seq, out)
     return out[:t].reshape(t, h, d).astype(q.dtype)
