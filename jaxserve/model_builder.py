@@ -97,6 +97,9 @@ def build_model_and_cache(config: EngineConfig, spec: ModelSpec) -> BuiltModel:
     run_spec = effective_spec(spec, tp)
     mesh = make_mesh(select_devices(tp, config.device_ids))
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    if not local:
+        raise ValueError(f"process {jax.process_index()} holds none of the {tp} mesh devices; with several "
+                         f"processes, tensor_parallel_size must span every process ({len(jax.devices())} devices)")
     budget = kv_budget_bytes(config, spec, dtype_name, local[0])
     num_pages = kv_pool_pages(spec, budget, config.page_size, dtype_name, tp)
     usable_tokens = (num_pages - 1) * config.page_size
