@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxserve.bench.datasets import DatasetConfig, generate
 from jaxserve.bench.latency import measure_point
-from jaxserve.bench.load import LoadConfig, run_engine
+from jaxserve.bench.load import LoadConfig, RunResult, run_engine
 from jaxserve.bench.results import compute_metrics, finite
 
 Log = Callable[[str], None]
@@ -184,6 +184,7 @@ def run_loads(ctx: Context) -> list[dict[str, Any]]:
                         ctx.spec.vocab_size, _avoid(ctx))
         run = run_engine(ctx.engine, reqs, LoadConfig(request_rate=rate, seed=cfg.seed), salt=ctx.next_salt())
         m = compute_metrics(run.records, run.duration)
+        steps = _step_check(ctx, run, cfg.load_input_len + cfg.load_output_len / 2)
         rows.append(_row("load", {"load_fraction": frac, "request_rate": rate, "input_len": cfg.load_input_len,
                                   "output_len": cfg.load_output_len, "num_prompts": cfg.load_num_prompts},
                          {"ttft_ms": pred.ttft.mean, "tpot_ms": pred.tpot.mean, "throughput": pred.output_tokens_per_s},
@@ -194,10 +195,39 @@ def run_loads(ctx: Context) -> list[dict[str, Any]]:
                          simulated_ttft_error_pct=_err(sim.ttft.mean, m["mean_ttft_ms"]),
                          simulated_tpot_error_pct=_err(sim.tpot.mean, m["mean_tpot_ms"]),
                          measured_p99_ttft_ms=m["p99_ttft_ms"],
-                         predicted_p99_ttft_ms=pred.ttft.p99, completed=m["completed"], failed=m["failed"]))
+                         predicted_p99_ttft_ms=pred.ttft.p99, completed=m["completed"], failed=m["failed"],
+                         predicted_decode_batch=pred.decode_batch, **steps))
         ctx.log(f"load {frac:.0%} of {capacity:.2f} req/s: TTFT {m['mean_ttft_ms']:.1f} ms (pred {pred.ttft.mean:.1f},"
-                f" sim {sim.ttft.mean:.1f}), TPOT {m['mean_tpot_ms']:.2f} ms (pred {pred.tpot.mean:.2f})")
+                f" sim {sim.ttft.mean:.1f}), TPOT {m['mean_tpot_ms']:.2f} ms (pred {pred.tpot.mean:.2f}); steps "
+                f"measured/predicted: decode {_fmt(steps['measured_over_predicted_decode_step'])}, prefill "
+                f"{_fmt(steps['measured_over_predicted_prefill_step'])}; decode batch "
+                f"{_fmt(steps['measured_decode_batch'])} (pred {pred.decode_batch:.1f})")
     return rows
+
+
+def _step_check(ctx: Context, run: RunResult, decode_context: float) -> dict[str, float | None]:
+    """Step-level check of a load run: measured step time over the step model's, median per kind of step.
+
+    Each step is predicted from its decode count and prefill tokens (decode context taken as the workload's
+    mean, prefill as fresh prompts): an error here is the step model's; an error only in TTFT/TPOT is queueing.
+    """
+    from planner.step_model import decode_shape, prefill_shape, step_time_shape
+
+    ratios: dict[str, list[float]] = {"decode": [], "mixed": []}
+    for s in run.steps:
+        shape = decode_shape(s.num_decodes, decode_context) if s.num_decodes else None
+        if s.num_prefill_tokens:
+            p = prefill_shape(s.num_prefill_tokens, 0)
+            shape = p if shape is None else shape + p
+        if shape is None or s.duration <= 0:
+            continue
+        pred = step_time_shape(ctx.spec, ctx.hw, shape, dtype=ctx.dtype).total_s
+        ratios["mixed" if s.num_prefill_tokens else "decode"].append(s.duration / pred)
+    decodes = [s.num_decodes for s in run.steps]
+    return {"measured_over_predicted_decode_step": float(np.median(ratios["decode"])) if ratios["decode"] else None,
+            "measured_over_predicted_prefill_step": float(np.median(ratios["mixed"])) if ratios["mixed"] else None,
+            "measured_decode_batch": float(np.mean(decodes)) if decodes else None,
+            "measured_steps": len(run.steps)}
 
 
 def _avoid(ctx: Context) -> tuple[int, ...]:
@@ -348,4 +378,4 @@ report_command = _command()
 
 
 def _fmt(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1f}"
+    return "-" if v is None else f"{v:.2f}"

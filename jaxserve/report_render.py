@@ -63,6 +63,12 @@ def write_markdown(report: dict[str, Any], path: str | Path) -> None:
                          f" | {_f(r['predicted_tpot_ms'], '.2f')} | {_f(r.get('simulated_tpot_ms'), '.2f')} | "
                          f"{_f(r['measured_tpot_ms'], '.2f')} | {_pct(r['tpot_error_pct'])} | "
                          f"{_f(r['predicted_throughput'])} | {_f(r['measured_throughput'])} |")
+    for r in rows:
+        if r["kind"] == "load" and r.get("measured_steps"):
+            lines.append(f"\nAt {r['config']['load_fraction']:.0%}: measured / predicted step time, median over "
+                         f"{r['measured_steps']} steps: decode-only "
+                         f"{_f(r.get('measured_over_predicted_decode_step'), '.2f')}, with prefill {_f(r.get('measured_over_predicted_prefill_step'), '.2f')}; mean decode batch "
+                         f"{_f(r.get('measured_decode_batch'))} (predicted {_f(r.get('predicted_decode_batch'))}).")
     lines += ["", "## Chunked prefill (decodes running while a long prompt arrives)", "",
               "| mode | step budget | prefill/step | undisturbed pred | meas | p99 ITL pred | meas | max ITL pred "
               "| meas | long TTFT pred | meas | p99 / max pred, whole q-blocks |", "|" + "---|" * 12]
