@@ -67,7 +67,8 @@ def write_markdown(report: dict[str, Any], path: str | Path) -> None:
         if r["kind"] == "load" and r.get("measured_steps"):
             lines.append(f"\nAt {r['config']['load_fraction']:.0%}: measured / predicted step time, median over "
                          f"{r['measured_steps']} steps: decode-only "
-                         f"{_f(r.get('measured_over_predicted_decode_step'), '.2f')}, with prefill {_f(r.get('measured_over_predicted_prefill_step'), '.2f')}; mean decode batch "
+                         f"{_f(r.get('measured_over_predicted_decode_step'), '.2f')}, with prefill "
+                         f"{_f(r.get('measured_over_predicted_prefill_step'), '.2f')}; mean decode batch "
                          f"{_f(r.get('measured_decode_batch'))} (predicted {_f(r.get('predicted_decode_batch'))}).")
     lines += ["", "## Chunked prefill (decodes running while a long prompt arrives)", "",
               "| mode | step budget | prefill/step | undisturbed pred | meas | p99 ITL pred | meas | max ITL pred "
