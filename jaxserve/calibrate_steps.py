@@ -29,18 +29,16 @@ class StepSample:
 
 @contextmanager
 def step_budget(engine, budget: int) -> Iterator[None]:
-    """Run with the scheduler's step budget and per-request chunk both set to `budget` tokens, then restore.
-
-    Changes `engine.scheduler.config` in place: the engine has no public setter (bench/ENGINE_NEEDS.md).
-    The budget must not exceed the engine's largest token bucket.
-    """
+    """Run with the step budget and the per-request chunk both `budget` tokens (capped at the largest bucket),
+    then restore the engine's own."""
     sc = engine.scheduler.config
     old = (sc.max_num_batched_tokens, sc.chunk_size)
-    sc.max_num_batched_tokens = sc.chunk_size = min(budget, engine.config.max_num_batched_tokens)
+    budget = min(budget, engine.runner.token_buckets[-1])
+    engine.set_step_budget(budget, budget)
     try:
         yield
     finally:
-        sc.max_num_batched_tokens, sc.chunk_size = old
+        engine.set_step_budget(*old)
 
 
 def timed_step(engine) -> tuple[Any, float]:

@@ -184,7 +184,7 @@ def run_loads(ctx: Context) -> list[dict[str, Any]]:
                         ctx.spec.vocab_size, _avoid(ctx))
         run = run_engine(ctx.engine, reqs, LoadConfig(request_rate=rate, seed=cfg.seed), salt=ctx.next_salt())
         m = compute_metrics(run.records, run.duration)
-        steps = _step_check(ctx, run, cfg.load_input_len + cfg.load_output_len / 2)
+        steps = _step_check(ctx, run)
         rows.append(_row("load", {"load_fraction": frac, "request_rate": rate, "input_len": cfg.load_input_len,
                                   "output_len": cfg.load_output_len, "num_prompts": cfg.load_num_prompts},
                          {"ttft_ms": pred.ttft.mean, "tpot_ms": pred.tpot.mean, "throughput": pred.output_tokens_per_s},
@@ -205,21 +205,22 @@ def run_loads(ctx: Context) -> list[dict[str, Any]]:
     return rows
 
 
-def _step_check(ctx: Context, run: RunResult, decode_context: float) -> dict[str, float | None]:
+def _step_check(ctx: Context, run: RunResult) -> dict[str, float | None]:
     """Step-level check of a load run: measured step time over the step model's, median per kind of step.
 
-    Each step is predicted from its decode count and prefill tokens (decode context taken as the workload's
-    mean, prefill as fresh prompts): an error here is the step model's; an error only in TTFT/TPOT is queueing.
+    Each step is predicted from its own shape (the engine's StepStats: decode contexts, prefill chunks): an
+    error here is the step model's; an error only in TTFT/TPOT is the serving model's (queueing, batching).
     """
-    from planner.step_model import decode_shape, prefill_shape, step_time_shape
+    from planner.step_model import StepShape, decode_shape, prefill_shape, step_time_shape
 
     ratios: dict[str, list[float]] = {"decode": [], "mixed": []}
     for s in run.steps:
-        shape = decode_shape(s.num_decodes, decode_context) if s.num_decodes else None
-        if s.num_prefill_tokens:
-            p = prefill_shape(s.num_prefill_tokens, 0)
-            shape = p if shape is None else shape + p
-        if shape is None or s.duration <= 0:
+        shape = StepShape()
+        if s.num_decodes:  # decode_shape charges context + 1 per sequence; the engine counts KV incl. the new token
+            shape = decode_shape(s.num_decodes, max(0.0, s.decode_context_tokens / s.num_decodes - 1))
+        for q, done in s.prefill_chunks:
+            shape = shape + prefill_shape(q, done)
+        if shape.num_tokens == 0 or s.duration <= 0:
             continue
         pred = step_time_shape(ctx.spec, ctx.hw, shape, dtype=ctx.dtype).total_s
         ratios["mixed" if s.num_prefill_tokens else "decode"].append(s.duration / pred)

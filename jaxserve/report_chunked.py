@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -42,27 +41,6 @@ def decode_gaps(run: RunResult, decodes: int | None = None) -> tuple[list[float]
             if step.num_prefill_tokens == 0 and (decodes is None or step.num_decodes == decodes):
                 quiet.append(gap)
     return all_gaps, quiet
-
-
-def padded_chunk_itls(ctx, length: int, prefill: int, decodes: int, context: int) -> list[float]:
-    """Step times (ms) of the chunked prefill with each chunk's attention charged for whole query blocks.
-
-    The runtime's prefill attention runs `DEFAULT_Q_BLOCK`-row query blocks, so a 16-token chunk costs the
-    attention of 128 rows (bench/ENGINE_NEEDS.md, item 4); the planner's shapes count only the real rows.
-    """
-    from jaxserve.model.paged_attention import DEFAULT_Q_BLOCK
-    from planner.step_model import decode_shape, prefill_shape, step_time_shape
-
-    dec = decode_shape(decodes, context)
-    times, done = [], 0
-    while done < length:
-        q = min(prefill, length - done)
-        blocks = math.ceil(q / DEFAULT_Q_BLOCK)
-        pairs = sum(DEFAULT_Q_BLOCK * (done + min(q, (i + 1) * DEFAULT_Q_BLOCK)) for i in range(blocks))
-        shape = dec + replace(prefill_shape(q, done), attn_pairs=float(pairs))
-        times.append(step_time_shape(ctx.spec, ctx.hw, shape, dtype=ctx.dtype).total_ms)
-        done += q
-    return times
 
 
 def _predicted_gaps(undisturbed_ms: float, stalls_ms: list[float], gaps_per_request: int) -> list[float]:
@@ -120,10 +98,6 @@ def run_chunked(ctx) -> list[dict[str, Any]]:
                                  if row["measured_ttft_ms"] else None)
         row["tpot_error_pct"] = row["undisturbed_itl_error_pct"]
         row["throughput_error_pct"] = None
-        padded = padded_chunk_itls(ctx, length, prefill, d, context)
-        padded_gaps = _predicted_gaps(undisturbed, padded, out_len - 1) * d
-        row["predicted_block_padded_p99_itl_ms"] = float(np.percentile(padded_gaps, 99))
-        row["predicted_block_padded_max_itl_ms"] = max(padded_gaps)
         row["measured_gaps_ms"] = [round(g, 3) for g in gaps]
         rows.append(row)
         ctx.log(f"long prompt {length} {label} (budget {budget}): undisturbed {meas['undisturbed']:.1f} ms "

@@ -57,6 +57,8 @@ class StepRecord:
     num_tokens: int
     num_decodes: int
     num_prefill_tokens: int
+    decode_context_tokens: int = 0  # sum of the decodes' KV lengths
+    prefill_chunks: list[tuple[int, int]] = field(default_factory=list)  # (chunk tokens, tokens before it)
 
 
 @dataclass
@@ -172,7 +174,9 @@ def run_engine(engine, requests: Sequence[SampleRequest], load: LoadConfig, *, s
         if engine.last_step is not None:
             s = engine.last_step
             steps.append(StepRecord(end=s.time - start, duration=s.duration, num_tokens=s.num_tokens,
-                                    num_decodes=s.num_decode_tokens, num_prefill_tokens=s.num_prefill_tokens))
+                                    num_decodes=s.num_decode_tokens, num_prefill_tokens=s.num_prefill_tokens,
+                                    decode_context_tokens=s.decode_context_tokens,
+                                    prefill_chunks=list(s.prefill_chunks)))
         for out in outputs:
             i = index.get(out.request_id)
             if i is None:
