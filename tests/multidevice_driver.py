@@ -136,6 +136,13 @@ if __name__ == "__main__":
     mode, *rest = sys.argv[1:]
     if mode == "tp":
         print(json.dumps(run_tp([int(x) for x in rest])))
+    elif mode == "tp-batched-decode":  # the GPU decode path ("batched"), forced on CPU
+        import functools
+
+        from jaxserve.model import llama, paged_attention
+
+        llama.paged_attention = functools.partial(paged_attention.paged_attention, decode_mode="batched")
+        print(json.dumps(run_tp([int(x) for x in rest])))
     elif mode == "tp-checkpoint":
         print(json.dumps(run_tp_checkpoint([int(x) for x in rest])))
     elif mode == "disagg":

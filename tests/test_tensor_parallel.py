@@ -67,6 +67,13 @@ def test_checkpoint_with_qkv_bias_and_untied_head():
     assert runs["2"] == runs["1"] and runs["4"] == runs["1"]
 
 
+def test_batched_decode_attention_under_tp():
+    """The GPU decode path (decode_mode="batched", forced here on CPU) shards the same way."""
+    runs = run_driver("tp-batched-decode", "1", "4")
+    assert runs["4"]["tokens"] == runs["1"]["tokens"]
+    assert runs["4"]["compiles_after_warmup"] == 0
+
+
 def test_effective_spec_and_checks():
     spec = load_model_spec("tiny")  # 4 heads, 2 KV heads
     assert effective_spec(spec, 2) is spec
