@@ -1,0 +1,112 @@
+"""Prefix caching on and off, on the two workloads of issue 4, with the planner's prediction beside them.
+
+Workloads (jaxserve.bench.datasets): multi-turn chat (each turn's prompt is the whole conversation so far plus
+a new message; conversations run side by side, each turn waiting for the previous one) and a shared system
+prompt (groups of requests sharing a long prefix, short questions, Poisson arrivals). One engine per setting
+(caching on / off), the same requests for both. Prints mean and p90 TTFT, the mean TTFT of turns whose
+history passed 1k tokens, the hit rate, and the planner's TTFT for the measured hit rate on a calibrated
+profile (--profile, e.g. from `jaxserve calibrate --model small --out profile.json`).
+
+    python scripts/bench_prefix_cache.py --model small --profile reports/small/profile.json \
+        --out reports/prefix_cache.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import numpy as np
+
+
+def summarize(run, long_history: int) -> dict:
+    ok = [r for r in run.records if r.success]
+    ttfts = np.array([r.ttft for r in ok]) * 1e3
+    long = [r.ttft * 1e3 for r in ok if r.prompt_len > long_history]
+    prompt = sum(r.prompt_len for r in ok)
+    cached = sum(r.cached_tokens or 0 for r in ok)
+    return {"completed": len(ok), "failed": len(run.records) - len(ok), "mean_ttft_ms": float(ttfts.mean()),
+            "p90_ttft_ms": float(np.percentile(ttfts, 90)),
+            "mean_ttft_long_history_ms": float(np.mean(long)) if long else None, "long_history_requests": len(long),
+            "hit_rate": cached / max(1, prompt), "mean_input_len": prompt / max(1, len(ok)),
+            "duration_s": run.duration}
+
+
+def predict_ttft(model: str, profile: str, s: dict, concurrency: float | None, rate: float | None,
+                 output_len: int, engine) -> float:
+    import planner
+    from planner.memory import MemoryPlan, kv_bytes_per_token
+
+    cfg = engine.config
+    per_tok = kv_bytes_per_token(engine.spec, "fp32")
+    mem = MemoryPlan(weights=0.0, kv=engine.num_pages * cfg.page_size * per_tok, activations=0.0, total=0.0,
+                     kv_bytes_per_token=per_tok, num_pages=engine.num_pages - 1, page_size=cfg.page_size)
+    workload = planner.Workload(input_len=round(s["mean_input_len"]), output_len=output_len,
+                                prefix_hit=min(0.99, s["hit_rate"]), concurrency=concurrency, request_rate=rate)
+    config = planner.ServingConfig(max_num_seqs=cfg.max_num_seqs, chunk_size=cfg.max_num_batched_tokens,
+                                   page_size=cfg.page_size, dtype="fp32",
+                                   token_buckets=tuple(engine.runner.token_buckets))
+    return planner.predict_serving(model, profile, workload, config, memory=mem).ttft.mean
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--profile", default=None, help="calibrated hardware profile for the planner's prediction")
+    ap.add_argument("--conversations", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--message-len", type=int, default=256)
+    ap.add_argument("--answer-len", type=int, default=32)
+    ap.add_argument("--shared-prompts", type=int, default=16)
+    ap.add_argument("--system-len", type=int, default=1536)
+    ap.add_argument("--question-len", type=int, default=64)
+    ap.add_argument("--shared-rate", type=float, default=0.5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    from jaxserve.bench.datasets import DatasetConfig, generate
+    from jaxserve.bench.load import LoadConfig, run_engine
+    from jaxserve.engine import LLMEngine
+    from jaxserve.engine_config import EngineConfig
+
+    workloads = {
+        "multi-turn": (DatasetConfig(name="multi-turn", num_prompts=args.conversations * args.turns,
+                                     input_len=args.message_len, output_len=args.answer_len, turns=args.turns),
+                       LoadConfig(request_rate=math.inf), args.answer_len),
+        "shared-prefix": (DatasetConfig(name="shared-prefix", num_prompts=args.shared_prompts,
+                                        input_len=args.system_len + args.question_len, output_len=16,
+                                        prefix_len=args.system_len,
+                                        num_prefixes=2),
+                          LoadConfig(request_rate=args.shared_rate), 16),
+    }
+    rows = []
+    for caching in (True, False):
+        engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=16, max_num_batched_tokens=512,
+                                        chunk_size=512, enable_prefix_caching=caching))
+        special = tuple(t for t in (engine.spec.bos_token_id, engine.spec.eos_token_id) if t is not None)
+        for name, (dcfg, load, out_len) in workloads.items():
+            requests = generate(dcfg, min(engine.spec.vocab_size, 256), special)
+            run = run_engine(engine, requests, load, salt=f"{name}-{caching}")
+            row = {"workload": name, "prefix_caching": caching, **summarize(run, 1024)}
+            if args.profile and caching:
+                concurrency = args.conversations if name == "multi-turn" else None
+                rate = args.shared_rate if name == "shared-prefix" else None
+                row["predicted_mean_ttft_ms"] = predict_ttft(args.model, args.profile, row, concurrency, rate,
+                                                             out_len, engine)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    for name in workloads:
+        on = next(r for r in rows if r["workload"] == name and r["prefix_caching"])
+        off = next(r for r in rows if r["workload"] == name and not r["prefix_caching"])
+        key = "mean_ttft_long_history_ms" if name == "multi-turn" and on["long_history_requests"] else "mean_ttft_ms"
+        print(f"{name}: {key} off/on = {off[key]:.0f}/{on[key]:.0f} ms = {off[key] / on[key]:.1f}x, "
+              f"hit rate {on['hit_rate']:.1%}"
+              + (f", planner {on['predicted_mean_ttft_ms']:.0f} ms" if "predicted_mean_ttft_ms" in on else ""))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
