@@ -2,10 +2,14 @@
 
 The additive step model is linear in the inverse efficiencies and the overheads:
 
-    t = compute0 / compute_eff + weights0 / weight_bw_eff + kv0 / kv_bw_eff + comm_bw0 / comm_eff + comm_latency
+    t = compute0 / compute_eff + attn0 / (compute_eff * attn_eff_scale) + weights0 / weight_bw_eff
+        + kv0 / kv_bw_eff + comm_bw0 / comm_eff + comm_latency
         + step_overhead + S * seq_overhead + prefill_tokens * prefill_token_overhead
 
-where `compute0`, `weights0`, `kv0`, `comm_bw0` are the model's terms at efficiency 1 (`unit_terms`). A
+where `compute0` (GEMMs), `attn0` (attention FLOPs), `weights0`, `kv0`, `comm_bw0` are the model's terms at
+efficiency 1 (`unit_terms`). Attention has its own efficiency: on a CPU the jnp paged attention runs far
+below the GEMMs, and sharing one efficiency made the fit trade long-context (chunked) steps against short
+prefills, over-predicting the latter by ~20%. A
 non-negative least-squares fit on relative error (each row divided by its measured time) gives them; the
 GEMM half-efficiency size `gemm_m_half` is chosen from a grid. Terms the samples cannot separate keep the
 prior. The per-layer overhead folds into the per-step one (one model has one layer count), and
@@ -24,10 +28,11 @@ import numpy as np
 
 from planner.hardware import Coefficients, Hardware
 from planner.model_spec import ModelSpec
-from planner.step_model import StepShape, _collective_s, op_costs
+from planner.step_model import StepShape, _collective_s, op_costs, step_time_shape
 
 M_HALF_GRID = (0.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
-_COLUMNS = ("compute", "weights", "kv", "comm_bw", "step", "seq", "prefill_token")
+_COLUMNS = ("compute", "attn", "weights", "kv", "comm_bw", "step", "seq", "prefill_token")
+_EFF_COLUMNS = ("compute", "attn", "weights", "kv", "comm_bw")
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,7 @@ def unit_terms(spec: ModelSpec, hw: Hardware, shape: StepShape, *, tp: int = 1, 
         n = op.count
         if op.flops:
             g = op.gemm_rows / (op.gemm_rows + gemm_m_half) if op.gemm_rows else 1.0
-            out["compute"] += op.flops * n / (peak * g)
+            out["attn" if op.name == "attention" else "compute"] += op.flops * n / (peak * g)
         out["weights"] += (op.weight_bytes + op.act_bytes) * n / hw.memory_bw
         out["kv"] += op.kv_bytes * n / hw.memory_bw
         for _ in range(op.collectives):
@@ -111,22 +116,31 @@ def fit_coefficients(spec: ModelSpec, hw: Hardware, samples: Sequence[Sample], *
                 a[:, j] = 0.0
         w = 1.0 / y  # relative error
         keep = [j for j in range(a.shape[1]) if np.any(a[:, j] > 0)]
-        x = np.zeros(a.shape[1])
-        x[keep] = _nnls(a[:, keep] * w[:, None], (y - lat) * w)
-        pred = a @ x + lat
-        err = float(np.median(np.abs(pred / y - 1)))
-        sse = float(np.sum((pred / y - 1) ** 2))
+        # Efficiencies are capped at 1.5, so their inverse terms are bounded below by 1/1.5: fit the excess.
+        floor = np.array([1 / 1.5 if col in _EFF_COLUMNS and j in keep else 0.0 for j, col in enumerate(_COLUMNS)])
+        x = floor.copy()
+        x[keep] += _nnls(a[:, keep] * w[:, None], (y - lat - a @ floor) * w)
         c = dict(zip(_COLUMNS, x, strict=True))
+        present = {_COLUMNS[j] for j in keep}
 
-        def inv(v: float, old: float) -> float:
-            return min(1.5, 1.0 / v) if v > 1e-12 else old
+        def inv(col: str, old: float, c: dict[str, float] = c, present: set[str] = present) -> float:
+            """1 / fitted inverse efficiency (at most 1.5); the prior where no sample has the term."""
+            return min(1.5, 1.0 / c[col]) if col in present else old
 
+        compute_eff = inv("compute", prior.compute_eff)
+        attn_eff = inv("attn", compute_eff * prior.attn_eff_scale)
         fitted = dataclasses.replace(
-            prior, compute_eff=inv(c["compute"], prior.compute_eff), gemm_m_half=m_half,
-            weight_bw_eff=inv(c["weights"], prior.weight_bw_eff), kv_bw_eff=inv(c["kv"], prior.kv_bw_eff),
-            comm_eff=inv(c["comm_bw"], prior.comm_eff), step_overhead_s=c["step"], layer_overhead_s=0.0,
+            prior, compute_eff=compute_eff, gemm_m_half=m_half, attn_eff_scale=attn_eff / compute_eff,
+            weight_bw_eff=inv("weights", prior.weight_bw_eff), kv_bw_eff=inv("kv", prior.kv_bw_eff),
+            comm_eff=inv("comm_bw", prior.comm_eff), step_overhead_s=c["step"], layer_overhead_s=0.0,
             seq_overhead_s=c["seq"], prefill_token_overhead_s=c["prefill_token"])
         fitted = dataclasses.replace(fitted, **{k: v for k, v in fixed.items() if k in eff_of.values()})
+        fitted = Coefficients(**{k: float(v) for k, v in fitted.to_dict().items()})
+        # Judge each m_half by what the written coefficients predict (efficiencies are capped at 1.5).
+        fhw = dataclasses.replace(hw, coefficients=fitted)
+        rel = np.array([step_time_shape(spec, fhw, s.shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype).total_s
+                        for s in samples]) / y - 1
+        err, sse = float(np.median(np.abs(rel))), float(np.sum(rel**2))
         if best is None or sse < best[0]:
             best = (sse, fitted, err)
     assert best is not None

@@ -39,6 +39,7 @@ class Coefficients:
     layer_overhead_s: float = 6e-6  # per layer per step: kernel launches, norms, small ops
     seq_overhead_s: float = 4e-6  # per sequence in the step: metadata, sampling, detokenize
     prefill_token_overhead_s: float = 0.0  # per prefill token (host-side work that scales with tokens)
+    attn_eff_scale: float = 1.0  # attention FLOP efficiency relative to compute_eff (1: the GEMMs')
 
     def to_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
@@ -54,6 +55,8 @@ COEFFICIENT_DOCS: dict[str, str] = {
     "layer_overhead_s": "fixed seconds per layer per step",
     "seq_overhead_s": "fixed seconds per sequence in a step",
     "prefill_token_overhead_s": "seconds per prefill token not explained by FLOPs or bytes",
+    "attn_eff_scale": "attention FLOP efficiency as a fraction of compute_eff (a jnp attention on CPU runs far "
+                      "below its GEMMs; 1 = the same)",
 }
 
 
@@ -249,7 +252,8 @@ def hardware_from_profile(profile: dict[str, Any], where: str = "profile") -> Ha
             coeffs[k] = float(v)
         except (TypeError, ValueError):
             raise HardwareError(f"{where}: coefficient {k!r} must be a number") from None
-        if coeffs[k] < 0 or (k.endswith("_eff") and not 0 < coeffs[k] <= 1.5):
+        if coeffs[k] < 0 or (k.endswith("_eff") and not 0 < coeffs[k] <= 1.5) or (k == "attn_eff_scale"
+                                                                                  and not 0 < coeffs[k] <= 10):
             raise HardwareError(f"{where}: coefficient {k!r}={coeffs[k]} out of range")
     d.setdefault("intra_node_bandwidth_gbps", 10.0)
     d.setdefault("allreduce_latency_us", 50.0)

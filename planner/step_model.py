@@ -237,6 +237,8 @@ def time_ops(ops: Sequence[OpCost], spec: ModelSpec, shape: StepShape, hw: Hardw
         nbytes += (op.weight_bytes + op.kv_bytes + op.act_bytes) * n
         if op.flops:
             eff = c.compute_eff * (op.gemm_rows / (op.gemm_rows + c.gemm_m_half) if op.gemm_rows else 1.0)
+            if op.name == "attention":
+                eff *= c.attn_eff_scale
             compute += op.flops * n / (peak * eff)
         weight += (op.weight_bytes + op.act_bytes) * n / (hw.memory_bw * c.weight_bw_eff)
         kv += op.kv_bytes * n / (hw.memory_bw * c.kv_bw_eff)

@@ -48,3 +48,20 @@ def test_fit_recovers_the_coefficients_that_made_the_measurements(tmp_path):
 def test_fit_needs_a_few_samples():
     with pytest.raises(ValueError):
         fit_coefficients(SMALL, CATALOG["cpu"], [Sample(decode_shape(1, 1), 0.01)])
+
+
+def test_fit_separates_slow_attention_from_the_gemms():
+    """A slow attention (CPU jnp kernel) must not drag the GEMMs' efficiency down: short prefills stay exact."""
+    truth = Coefficients(compute_eff=0.6, gemm_m_half=8.0, weight_bw_eff=0.9, kv_bw_eff=0.2,
+                         step_overhead_s=0.003, layer_overhead_s=0.0, seq_overhead_s=4e-4, attn_eff_scale=0.15)
+    cpu = CATALOG["cpu"]
+    measured_hw = dataclasses.replace(cpu, coefficients=truth)
+    chunks = [decode_shape(4, 140 + 4 * k) + prefill_shape(240, 240 * k) for k in range(4)]
+    samples = [Sample(s, step_time_shape(SMALL, measured_hw, s, dtype="fp32").total_s) for s in shapes() + chunks]
+    fitted, err = fit_coefficients(SMALL, cpu, samples, dtype="fp32", fixed={"weight_bw_eff": 0.9})
+    assert err < 0.03
+    assert fitted.attn_eff_scale * fitted.compute_eff == pytest.approx(0.09, rel=0.2)
+    hw = dataclasses.replace(cpu, coefficients=fitted)
+    for q in (128, 512):
+        assert step_time_shape(SMALL, hw, prefill_shape(q), dtype="fp32").total_s == pytest.approx(
+            step_time_shape(SMALL, measured_hw, prefill_shape(q), dtype="fp32").total_s, rel=0.05)
