@@ -253,7 +253,7 @@ def hardware_from_profile(profile: dict[str, Any], where: str = "profile") -> Ha
         except (TypeError, ValueError):
             raise HardwareError(f"{where}: coefficient {k!r} must be a number") from None
         if coeffs[k] < 0 or (k.endswith("_eff") and not 0 < coeffs[k] <= 1.5) or (k == "attn_eff_scale"
-                                                                                  and not 0 < coeffs[k] <= 10):
+                                                                                  and coeffs[k] <= 0):
             raise HardwareError(f"{where}: coefficient {k!r}={coeffs[k]} out of range")
     d.setdefault("intra_node_bandwidth_gbps", 10.0)
     d.setdefault("allreduce_latency_us", 50.0)
