@@ -25,13 +25,15 @@ def write_markdown(report: dict[str, Any], path: str | Path) -> None:
     if cal:
         lines += [f"Calibrated in {cal['seconds']:.0f} s over {cal['samples']} engine steps "
                   f"(step fit median |error| {100 * cal['median_abs_error']:.1f}%), profile `{cal['profile']}`.", ""]
+    lcf = s.get("load_closed_form") or {}
     lines += ["## Summary", "", "| metric | median abs error | target | met |", "|---|---|---|---|",
               f"| TPOT (grid + loads) | {_f(s['median_abs_error_tpot_pct'])}% | <= 10% | {s['met']['tpot']} |",
               f"| TTFT (grid + loads) | {_f(s['median_abs_error_ttft_pct'])}% | <= 15% | {s['met']['ttft']} |",
               f"| throughput | {_f(s['median_abs_error_throughput_pct'])}% | | |",
-              f"| loads only, closed form: TTFT / TPOT | {_f(s['load']['ttft'])}% / {_f(s['load']['tpot'])}% | | |",
-              f"| loads only, simulator (same arrivals count): TTFT / TPOT | {_f(s['load_simulated']['ttft'])}% / "
-              f"{_f(s['load_simulated']['tpot'])}% | | |",
+              f"| loads only (simulator on the run's arrival trace): TTFT / TPOT | {_f(s['load']['ttft'])}% / "
+              f"{_f(s['load']['tpot'])}% | | |",
+              f"| loads only, closed form (steady state): TTFT / TPOT | {_f(lcf.get('ttft'))}% / "
+              f"{_f(lcf.get('tpot'))}% | | |",
               f"| grid only: TTFT / TPOT | {_f(s['grid']['ttft'])}% / {_f(s['grid']['tpot'])}% | | |", ""]
     cp = s.get("chunked_prefill")
     if cp:
@@ -53,14 +55,16 @@ def write_markdown(report: dict[str, Any], path: str | Path) -> None:
                          f"{_f(r['predicted_throughput'])} | {_f(r['measured_throughput'])} | "
                          f"{_pct(r['throughput_error_pct'])} |")
     lines += ["", "## Online loads (Poisson)", "",
-              "| load | req/s | TTFT pred | TTFT sim | TTFT meas | err | TPOT pred | TPOT sim | TPOT meas | err "
+              "| load | req/s | TTFT pred | TTFT closed form | TTFT meas | err | TPOT pred | TPOT closed form "
+              "| TPOT meas | err "
               "| tok/s pred | tok/s meas |", "|" + "---|" * 12]
     for r in rows:
         if r["kind"] == "load":
             c = r["config"]
             lines.append(f"| {c['load_fraction']:.0%} | {c['request_rate']:.2f} | {_f(r['predicted_ttft_ms'])} | "
-                         f"{_f(r.get('simulated_ttft_ms'))} | {_f(r['measured_ttft_ms'])} | {_pct(r['ttft_error_pct'])}"
-                         f" | {_f(r['predicted_tpot_ms'], '.2f')} | {_f(r.get('simulated_tpot_ms'), '.2f')} | "
+                         f"{_f(r.get('closed_form_ttft_ms'))} | {_f(r['measured_ttft_ms'])} | "
+                         f"{_pct(r['ttft_error_pct'])}"
+                         f" | {_f(r['predicted_tpot_ms'], '.2f')} | {_f(r.get('closed_form_tpot_ms'), '.2f')} | "
                          f"{_f(r['measured_tpot_ms'], '.2f')} | {_pct(r['tpot_error_pct'])} | "
                          f"{_f(r['predicted_throughput'])} | {_f(r['measured_throughput'])} |")
     for r in rows:
@@ -69,7 +73,9 @@ def write_markdown(report: dict[str, Any], path: str | Path) -> None:
                          f"{r['measured_steps']} steps: decode-only "
                          f"{_f(r.get('measured_over_predicted_decode_step'), '.2f')}, with prefill "
                          f"{_f(r.get('measured_over_predicted_prefill_step'), '.2f')}; mean decode batch "
-                         f"{_f(r.get('measured_decode_batch'))} (predicted {_f(r.get('predicted_decode_batch'))}).")
+                         f"{_f(r.get('measured_decode_batch'))} (predicted {_f(r.get('predicted_decode_batch'))}, "
+                         f"closed form "
+                         f"{_f(r.get('closed_form_decode_batch'))}).")
     lines += ["", "## Chunked prefill (decodes running while a long prompt arrives)", "",
               "| mode | step budget | prefill/step | undisturbed pred | meas | p99 ITL pred | meas | max ITL pred "
               "| meas | long TTFT pred | meas |", "|" + "---|" * 11]
@@ -82,7 +88,8 @@ def write_markdown(report: dict[str, Any], path: str | Path) -> None:
                          f"{_f(r['predicted_max_itl_ms'])} | {_f(r['measured_max_itl_ms'])} | "
                          f"{_f(r['predicted_ttft_ms'])} | {_f(r['measured_ttft_ms'])} |")
     lines += ["", "Errors are (predicted - measured) / measured. Grid predictions: the planner's discrete-event "
-              "simulator of the same static batch; loads: its closed form (the simulator's figure beside it).", ""]
+              "simulator of the same static batch; loads: the simulator on the engine's own arrival trace (a short run "
+              "from an empty engine is a transient), the closed form's steady state beside it.", ""]
     Path(path).write_text("\n".join(lines))
 
 
@@ -118,8 +125,8 @@ def write_plot(report: dict[str, Any], path: str | Path) -> None:
     loads = sorted((r for r in rows if r["kind"] == "load"), key=lambda r: r["config"]["load_fraction"])
     x = [r["config"]["request_rate"] for r in loads]
     ax.plot(x, [r["measured_ttft_ms"] for r in loads], "o-", label="measured")
-    ax.plot(x, [r["predicted_ttft_ms"] for r in loads], "x--", label="predicted (closed form)")
-    ax.plot(x, [r.get("simulated_ttft_ms") for r in loads], "s:", label="predicted (simulation)")
+    ax.plot(x, [r["predicted_ttft_ms"] for r in loads], "x--", label="predicted (simulated trace)")
+    ax.plot(x, [r.get("closed_form_ttft_ms") for r in loads], "s:", label="closed form (steady state)")
     ax.set(xlabel="request rate (req/s)", ylabel="mean TTFT (ms)", title="Online load: TTFT")
     ax.legend(fontsize=8)
     ax = axes[2]

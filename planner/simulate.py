@@ -12,6 +12,7 @@ keeps to the KV capacity for the full output). Used by the tests to check the cl
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,8 +65,14 @@ class SimResult:
 
 
 def simulate(spec: ModelSpec, hw: Hardware, workload: Workload, config: ServingConfig, *,
-             num_requests: int = 1000, seed: int = 0, warmup_fraction: float = 0.1) -> SimResult:
-    """Simulate one replica at rate/replicas (or concurrency/replicas clients) and report its metrics."""
+             num_requests: int = 1000, seed: int = 0, warmup_fraction: float = 0.1,
+             arrival_times: Sequence[float] | None = None) -> SimResult:
+    """Simulate one replica at rate/replicas (or concurrency/replicas clients) and report its metrics.
+
+    `arrival_times`: explicit arrival times (s, one replica, open loop) instead of Poisson draws, to predict one
+    measured run of a finite trace (a short run from an empty engine is a transient, not the steady state
+    that `planner.serving` predicts).
+    """
     rng = np.random.default_rng(seed)
     mem = plan_memory(spec, hw.memory_bytes, tp=config.tp, dtype=config.dtype, kv_dtype=config.kv_dtype,
                       page_size=config.page_size, chunk_size=config.chunk_size, max_num_seqs=config.max_num_seqs,
@@ -80,9 +87,12 @@ def simulate(spec: ModelSpec, hw: Hardware, workload: Workload, config: ServingC
         comp = max(1, round(i * (1 - workload.prefix_hit)))
         return _Req(arrival=t, input_len=i, to_compute=comp, output_len=o, client=client)
 
-    closed = workload.concurrency is not None
+    closed = workload.concurrency is not None and arrival_times is None
     arrivals: deque[_Req] = deque()
-    if closed:
+    if arrival_times is not None:
+        for t in sorted(float(a) for a in arrival_times):
+            arrivals.append(new_request(t))
+    elif closed:
         clients = max(1, round(workload.concurrency / r))
         for c in range(clients):
             arrivals.append(new_request(0.0, c))
