@@ -39,7 +39,8 @@ Progress = Callable[[str, float], None]  # (phase description, fraction of the w
 class CalibrationConfig:
     """Sizes of the measurements; `quick()` is for tests."""
 
-    prefill_lens: tuple[int, ...] = (16, 64, 256, 512)
+    # 2048: a long lone prefill, so the fit sees attention's cost apart from the chunked (mixed) steps'
+    prefill_lens: tuple[int, ...] = (16, 64, 256, 512, 2048)
     decode_batches: tuple[int, ...] = (1, 4, 16)
     decode_contexts: tuple[int, ...] = (64, 512)
     decode_steps: int = 6
@@ -210,7 +211,8 @@ def calibrate(engine, cfg: CalibrationConfig | None = None, progress: Progress |
     say("engine warm-up", 0.12)
     warm_engine(engine, ids)
     say("engine prefill steps", 0.15)
-    samples += measure_prefill(engine, ids, tuple(n for n in cfg.prefill_lens if n <= budget), cfg.repeats)
+    samples += measure_prefill(engine, ids, tuple(n for n in cfg.prefill_lens
+                                                  if n <= budget and n < engine.max_model_len), cfg.repeats)
     points = [(b, c) for c in cfg.decode_contexts for b in cfg.decode_batches
               if b <= engine.config.max_num_seqs and b * c <= cfg.max_decode_prompt_tokens]
     for k, (b, c) in enumerate(points):
