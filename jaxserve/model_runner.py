@@ -148,9 +148,10 @@ class ModelRunner:
         return self._put((token_ids, positions, meta, logits_indices))
 
     def _put(self, tree: Any) -> Any:
-        """Host arrays to the device (replicated over the mesh)."""
+        """Host arrays for a jitted call: as they are on one device (the call's C++ path copies them far faster
+        than `jax.device_put`, which cost ~0.25 ms per array), replicated over the mesh otherwise."""
         if self._replicated is None:
-            return jax.device_put(tree)
+            return tree
         return jax.tree.map(lambda x: put_global(x, self._replicated), tree)
 
     def dispatch(self, batch: RaggedBatch, sampling: SamplingArrays) -> Any:
