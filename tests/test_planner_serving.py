@@ -90,3 +90,16 @@ def test_closed_form_tracks_simulation_property(load, input_len, output_len):
     sim = simulate(L8B, H100, wl, cfg, num_requests=1500, seed=0)
     assert pred.ttft.mean == pytest.approx(sim.ttft.mean, rel=0.10)
     assert pred.tpot.mean == pytest.approx(sim.tpot.mean, rel=0.10)
+
+
+def test_simulation_replays_a_given_arrival_trace():
+    """Requests far apart see an empty engine; a burst at one instant queues (the report replays its runs' traces)."""
+    spec, hw, cfg = PRESETS["small"], CATALOG["cpu"], ServingConfig(max_num_seqs=8, chunk_size=512, dtype="fp32")
+    wl = Workload(input_len=128, output_len=8, request_rate=1.0)
+    apart = simulate(spec, hw, wl, cfg, arrival_times=[0.0, 100.0, 200.0], warmup_fraction=0.0)
+    lone = simulate(spec, hw, Workload(input_len=128, output_len=8, concurrency=1), cfg, num_requests=1,
+                    warmup_fraction=0.0)
+    assert apart.num_requests == 3
+    assert apart.ttft.mean == pytest.approx(lone.ttft.mean, rel=1e-6)
+    burst = simulate(spec, hw, wl, cfg, arrival_times=[0.0] * 6, warmup_fraction=0.0)
+    assert burst.num_requests == 6 and burst.ttft.mean > apart.ttft.mean
