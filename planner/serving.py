@@ -253,8 +253,12 @@ def _solve(m: _Model, lam: float, seen: float = 1.0, slot_wait: bool = True) -> 
         own -= min(1.0, lam * seen * (lone_own - last)) * last
     # Prompts that arrived during this request's wait and prefill and were not packed into its own last step
     # stall its decode: extra TPOT = lam * TTFT * E[Delta] * (1 - packable) / ((O - 1) (1 - lam E[Delta])).
+    # Prompts that arrive during its own last prefill step come too late to be packed into it: they are
+    # prefilled in the step after, the first of its decode life (the Wald count lam * E[life] in tau only
+    # covers arrivals from its first token on, less those in its last decode step).
     packable = max(0.0, 1 - mean_i / c)
-    tpot_extra = (lam * seen * (wait + own) * mean_d * (1 - packable)
+    late = max(0.0, last - t_d)
+    tpot_extra = (lam * seen * ((wait + own) * (1 - packable) + late) * mean_d
                   / (max(out - 1, 1) * max(1e-9, 1 - lam * mean_d)))
     service = own + wait + max(out - 1, 0) * (tau + tpot_extra)
     ws = 0.0
