@@ -55,6 +55,11 @@ class _EngineStateCollector(Collector):
                      "prefix_cache_queries"),
                     ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                      "prefix_cache_hits")]
+        if "kv_transfers" in s:  # disaggregated engines: KV moved from the prefill pool to the decode pool
+            counters += [("kv_transfers", "Requests whose KV moved to the decode pool.", "kv_transfers"),
+                         ("kv_transfer_bytes", "KV bytes moved to the decode pool.", "kv_transfer_bytes"),
+                         ("kv_transfer_seconds", "Seconds spent moving KV to the decode pool.",
+                          "kv_transfer_seconds")]
         for name, doc, key in counters:
             c = CounterMetricFamily(P + name, doc, labels=["model_name"])
             c.add_metric(label, float(s.get(key, 0)))
