@@ -102,8 +102,9 @@ def multi_turn_requests(cfg: DatasetConfig, rng: np.random.Generator, vocab: int
                         avoid: tuple[int, ...] = ()) -> list[SampleRequest]:
     """Conversations of `turns` turns; turn k's prompt is turn k-1's prompt + an answer + a new message.
 
-    The answer stands in for the model's (synthetic ids of output_len), so the previous prompt is a prefix
-    the cache can serve; each turn waits for the previous one to finish. `input_len` is per user message.
+    The answer here is a stand-in of output_len ids; the in-process driver replaces it with the model's real
+    answer when it sends the next turn (as a chat client does), so the whole conversation so far is a prefix
+    the cache can serve. Each turn waits for the previous one to finish. `input_len` is per user message.
     """
     turns = max(1, cfg.turns)
     convs = max(1, cfg.num_prompts // turns)

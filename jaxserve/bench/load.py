@@ -122,6 +122,20 @@ class _Gate:
         return self.max_concurrency is None or self.in_flight < self.max_concurrency
 
 
+def _with_previous_answer(requests: Sequence[SampleRequest], i: int, answers: dict[int, list[int]],
+                          sent: dict[int, list[int]]) -> list[int]:
+    """A multi-turn prompt as a chat client sends it: the previous turn's prompt as it was sent, the model's
+    real answer to it (in place of the dataset's stand-in of the same length), then the new message."""
+    req = requests[i]
+    prev = req.wait_for
+    prompt = req.prompt
+    if req.conversation is not None and prev is not None and prev in answers:
+        head, answer = sent[prev], answers[prev]
+        prompt = head + answer + req.prompt[len(head) + len(answer):]
+    sent[i] = prompt
+    return prompt
+
+
 def run_engine(engine, requests: Sequence[SampleRequest], load: LoadConfig, *, salt: str = "",
                on_step: Callable[[int], None] | None = None) -> RunResult:
     """Drive `engine` (an LLMEngine) with `requests` sent as `load` says; greedy, ignore_eos, exact lengths.
@@ -138,6 +152,8 @@ def run_engine(engine, requests: Sequence[SampleRequest], load: LoadConfig, *, s
     token_times: list[list[float]] = [[] for _ in requests]
     index: dict[str, int] = {}
     steps: list[StepRecord] = []
+    answers: dict[int, list[int]] = {}  # finished requests' output ids
+    sent: dict[int, list[int]] = {}  # the prompts as sent
     counters0 = dict(engine.counters)
     start = clock()
     while pending or engine.has_unfinished_requests():
@@ -152,7 +168,8 @@ def run_engine(engine, requests: Sequence[SampleRequest], load: LoadConfig, *, s
             arrival = max(start + offsets[i], ready, gate.slot_ready if load.max_concurrency else -math.inf)
             params = SamplingParams(temperature=0.0, max_tokens=req.output_len, ignore_eos=True)
             try:
-                engine.add_request(rid, req.prompt, params, arrival_time=min(arrival, now),
+                engine.add_request(rid, _with_previous_answer(requests, i, answers, sent), params,
+                                   arrival_time=min(arrival, now),
                                    cache_salt=salt or None)
             except ValueError as e:
                 records[i] = RequestRecord(prompt_len=req.prompt_len, error=str(e), role=req.role,
@@ -184,6 +201,7 @@ def run_engine(engine, requests: Sequence[SampleRequest], load: LoadConfig, *, s
             now = out.metrics.token_times[-1] if out.metrics.token_times else clock()
             gate.on_tokens(i, len(out.token_ids), now)
             if out.finished:
+                answers[i] = list(out.token_ids)
                 records[i] = _record_from_output(out, requests[i].prompt_len, start, requests[i].role)
                 token_times[i] = [t - start for t in out.metrics.token_times]
                 gate.on_finish(i, now)
