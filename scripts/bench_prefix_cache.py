@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--system-len", type=int, default=1536)
     ap.add_argument("--question-len", type=int, default=64)
     ap.add_argument("--shared-rate", type=float, default=0.5)
+    ap.add_argument("--workloads", default="multi-turn,shared-prefix")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -80,6 +81,7 @@ def main() -> None:
                                         num_prefixes=2),
                           LoadConfig(request_rate=args.shared_rate), 16),
     }
+    workloads = {k: v for k, v in workloads.items() if k in args.workloads.split(",")}
     rows = []
     for caching in (True, False):
         engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=16, max_num_batched_tokens=512,
