@@ -12,7 +12,7 @@ import click
 
 from jaxserve.bench.cli import bench
 from jaxserve.calibrate import calibrate_command
-from jaxserve.engine_args import config_from_options, engine_options
+from jaxserve.engine_args import build_engine, config_from_options, engine_options
 from jaxserve.report import report_command
 from jaxserve.server.cli import serve
 from planner.cli import plan
@@ -45,7 +45,6 @@ cli.add_command(report_command)
 def generate(prompt: str, token_ids: bool, max_tokens: int, temperature: float, top_p: float, top_k: int,
              min_p: float, ignore_eos: bool, stop: tuple[str, ...], **options) -> None:
     """Generate one completion and stream its text to the terminal."""
-    from jaxserve.engine import LLMEngine
     from jaxserve.sampling_params import SamplingParams
 
     config = config_from_options(options)
@@ -53,7 +52,10 @@ def generate(prompt: str, token_ids: bool, max_tokens: int, temperature: float, 
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 max_tokens=max_tokens, ignore_eos=ignore_eos, stop=list(stop))
         ids = [int(t) for t in prompt.split(",")] if token_ids else None
-        engine = LLMEngine(config)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    engine = build_engine(config, announce=False)
+    try:
         engine.add_request("generate-0", ids if ids is not None else prompt, params)
     except ValueError as e:
         raise click.UsageError(str(e)) from None

@@ -93,3 +93,19 @@ def config_from_options(options: dict[str, Any], **overrides: Any) -> EngineConf
         return EngineConfig(**fields, **overrides)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+
+
+def build_engine(config: EngineConfig, *, announce: bool = True):
+    """The engine the flags ask for (colocated, disaggregated or multi-host); a bad config is a UsageError."""
+    import time
+
+    from jaxserve.disaggregated import create_engine
+
+    t0 = time.monotonic()
+    try:
+        engine = create_engine(config)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    if announce:
+        click.echo(f"engine ready in {time.monotonic() - t0:.1f} s", err=True)
+    return engine

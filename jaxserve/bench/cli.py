@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from jaxserve.bench.datasets import DATASETS
-from jaxserve.engine_args import config_from_options, engine_options
+from jaxserve.engine_args import build_engine, config_from_options, engine_options
 
 
 def _int_list(text: str) -> list[int]:
@@ -59,15 +59,14 @@ def bench() -> None:
 def latency(batch_sizes: str, input_lens: str, output_len: int, output_json: str | None, **options) -> None:
     """Static batches: prefill time per input length and decode TPOT per batch size."""
     from jaxserve.bench.latency import format_table, run_grid
-    from jaxserve.engine import LLMEngine
 
     sizes, lens = _int_list(batch_sizes), _int_list(input_lens)
     seed = options["seed"]
     config = config_from_options(options)
     if max(sizes) > config.max_num_seqs:
         raise click.UsageError(f"batch size {max(sizes)} exceeds --max-num-seqs {config.max_num_seqs}")
+    engine = build_engine(config)
     try:
-        engine = LLMEngine(config)
         points = run_grid(engine, sizes, lens, output_len, seed=seed,
                           on_point=lambda p: click.echo(f"  batch {p.batch_size} x {p.input_len}: "
                                                         f"TPOT {p.tpot_ms:.2f} ms, TTFT {p.ttft_ms:.1f} ms", err=True))
@@ -153,14 +152,8 @@ def _run_in_process(config, requests, load):
     from rich.progress import Progress
 
     from jaxserve.bench.load import run_engine
-    from jaxserve.engine import LLMEngine
 
-    t0 = time.monotonic()
-    try:
-        engine = LLMEngine(config)
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
-    click.echo(f"engine ready in {time.monotonic() - t0:.1f} s", err=True)
+    engine = build_engine(config)
     with Progress(transient=True) as progress:
         task = progress.add_task("requests", total=len(requests))
         return run_engine(engine, requests, load, salt=f"serve{int(time.time())}",
