@@ -197,13 +197,7 @@ class DisaggregatedEngine(LLMEngine):
         self.counters["num_preemptions"] += stats.num_preemptions
         if batch is None:
             return
-        now = self.clock()
-        for req in batch.requests:
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-        rows = [(r.sampling_params, self._tracked[r.request_id].seed, len(r.output_token_ids))
-                for r in batch.requests]
-        sampling = SamplingArrays.build(rows, self.prefill.runner.sampling_bucket(batch.num_seqs))
+        sampling = self._sampling_for(batch, self.prefill.runner)
         self._inflight = _InFlight(batch, sampling, self.prefill.runner.dispatch(batch, sampling))
 
     def _collect_prefill(self) -> list[RequestOutput]:

@@ -147,13 +147,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        now = self.clock()
-        for req in batch.requests:
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-        rows = [(r.sampling_params, self._tracked[r.request_id].seed, len(r.output_token_ids))
-                for r in batch.requests]
-        sampling = SamplingArrays.build(rows, self.runner.sampling_bucket(batch.num_seqs))
+        sampling = self._sampling_for(batch, self.runner)
         compiles = self.runner.compile_count()
         result = self.runner.execute(batch, sampling)
         compiled = self.runner.compile_count() > compiles
@@ -172,6 +166,16 @@ class LLMEngine:
                 outputs.append(self._fail(tracked, f"internal error: {type(e).__name__}: {e}"))
         self._record_step(batch, start, compiled)
         return outputs
+
+    def _sampling_for(self, batch, runner: ModelRunner) -> SamplingArrays:
+        """Stamp first-scheduled times and lay out each sequence's sampling row (params, seed, position)."""
+        now = self.clock()
+        for req in batch.requests:
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+        rows = [(r.sampling_params, self._tracked[r.request_id].seed, len(r.output_token_ids))
+                for r in batch.requests]
+        return SamplingArrays.build(rows, runner.sampling_bucket(batch.num_seqs))
 
     def _postprocess(self, tracked: _Tracked, result, s: int, now: float) -> RequestOutput:
         """Stamp a request's new token, record its logprobs, check its stops, and describe it."""
