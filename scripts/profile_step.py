@@ -1,0 +1,81 @@
+"""Where one decode step's time goes: host work vs device time, and the forward vs logits+sampling split.
+
+    python scripts/profile_step.py --model small --batch 1
+
+Runs `--batch` requests of 128-token prompts to steady decode, then times `--steps` engine steps: the wait
+for the device (forward + sampler) and the rest (scheduling, batch layout, dispatch, stop checks), and then the
+jitted forward and the jitted sampler alone on the same inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import numpy as np
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=50)
+    args = ap.parse_args()
+
+    from jaxserve.engine import LLMEngine
+    from jaxserve.engine_config import EngineConfig
+    from jaxserve.sampler import SamplingArrays
+    from jaxserve.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=max(16, args.batch)))
+    runner = engine.runner
+    params = SamplingParams(temperature=0, max_tokens=2048, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(f"p{i}", list(range(i, i + 128)), params)
+    for _ in range(10):
+        engine.step()
+    waits: list[float] = []
+    collect = runner.collect
+
+    def timed_collect(pending, batch, sampling):
+        t = time.perf_counter()
+        jax.block_until_ready(pending)
+        waits.append(time.perf_counter() - t)
+        return collect(pending, batch, sampling)
+
+    runner.collect = timed_collect
+    t = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    step = (time.perf_counter() - t) / args.steps
+    runner.collect = collect
+
+    batch = engine.scheduler.schedule()
+    sampling = SamplingArrays.build([(params, 0, 0)] * batch.num_seqs, runner.sampling_bucket(batch.num_seqs))
+    from jaxserve.model_runner import bucket_for
+
+    tok, pos, meta, idx = runner._device_inputs(batch, bucket_for(batch.num_tokens, runner.token_buckets))
+    rows = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed, sampling.step,
+            np.bool_(False))
+
+    def forward():
+        hidden, runner.kv_caches = runner._forward(runner.params, runner.kv_caches, tok, pos, meta, idx)
+        return hidden
+
+    hidden = jax.block_until_ready(forward())
+    t = time.perf_counter()
+    for _ in range(args.steps):
+        jax.block_until_ready(forward())
+    fwd = (time.perf_counter() - t) / args.steps
+    t = time.perf_counter()
+    for _ in range(args.steps):
+        jax.block_until_ready(runner._sample(runner.params, hidden, *rows))
+    smp = (time.perf_counter() - t) / args.steps
+    wait = float(np.mean(waits))
+    print(f"{args.model}, {args.batch} decoding: step {step * 1e3:.1f} ms = device wait {wait * 1e3:.1f} ms + "
+          f"host {(step - wait) * 1e3:.1f} ms; alone: forward {fwd * 1e3:.1f} ms, logits+sampling {smp * 1e3:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
