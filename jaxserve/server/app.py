@@ -185,37 +185,31 @@ def build_app(engine: Any, log_interval: float = 10.0) -> FastAPI:
             raise APIError(500, f"Internal error: {e!r}") from None
         return JSONResponse(result.model_dump(mode="json"))
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        req = await parse(request, CompletionRequest)
+    async def generate(request: Request, model: type, prefix: str, make_subs, respond, chat: bool) -> Response:
+        """The shared body of the completions and chat endpoints: validate, submit, stream or answer."""
+        req = await parse(request, model)
         check_values(req)
-        req_id = new_request_id("cmpl")
-        subs = gen.completion_subs(req_id, req)
+        req_id = new_request_id(prefix)
+        subs = make_subs(req_id, req)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _SSEResponse(gen.stream(req_id, subs, False, usage), media_type="text/event-stream")
+            return _SSEResponse(gen.stream(req_id, subs, chat, usage), media_type="text/event-stream")
 
         async def work() -> BaseModel:
             await gen.run(subs)
-            return gen.completion_response(req_id, subs)
+            return respond(req_id, subs)
 
         return await answer(request, work)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, CompletionRequest, "cmpl", gen.completion_subs, gen.completion_response,
+                              chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = await parse(request, ChatCompletionRequest)
-        check_values(req)
-        req_id = new_request_id("chatcmpl")
-        subs = gen.chat_subs(req_id, req)
-        if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _SSEResponse(gen.stream(req_id, subs, True, usage), media_type="text/event-stream")
-
-        async def work() -> BaseModel:
-            await gen.run(subs)
-            return gen.chat_response(req_id, subs)
-
-        return await answer(request, work)
+        return await generate(request, ChatCompletionRequest, "chatcmpl", gen.chat_subs, gen.chat_response,
+                              chat=True)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
