@@ -10,7 +10,9 @@ written into freshly allocated pages by a donated update; the request then decod
 Back-pressure: while `max_pending_transfers` blocks wait, no new prefill step starts, so prompts queue in the
 prefill scheduler. TTFT includes the transfer: the first token is emitted once its KV is in the decode pool.
 A prefill step stays in flight while decode steps run (the two pools compute concurrently) and is collected
-when it is done. Decode-side preemption falls back to recompute on the decode pool.
+when it is done. Decode-side preemption falls back to recompute on the decode pool. Each pool's busy time and
+work (prompts prefilled, output tokens decoded) are counted per step (`jaxserve.pool_stats`), so the P:D balance
+the planner predicts can be measured.
 
 `DisaggregatedEngine` is an `LLMEngine` (the decode pool plus request tracking, stop checks and outputs), so
 `LLM` and `AsyncEngine` drive it unchanged; `create_engine` picks it when `config.disaggregate` is set.
@@ -33,6 +35,7 @@ from jaxserve.engine import LLMEngine
 from jaxserve.engine_config import EngineConfig
 from jaxserve.model_runner import power_of_two_ladder
 from jaxserve.outputs import RequestOutput
+from jaxserve.pool_stats import POOL_COUNTERS, ReadyStamp, pool_rates
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampler import SamplingArrays
 from jaxserve.scheduler import Scheduler
@@ -83,6 +86,8 @@ class _InFlight:
     batch: RaggedBatch
     sampling: SamplingArrays
     pending: Any
+    start: float  # perf_counter when the step was scheduled
+    ready: ReadyStamp  # when its outputs became ready on the prefill devices
 
 
 class _DecodeScheduler(Scheduler):
@@ -156,7 +161,7 @@ class DisaggregatedEngine(LLMEngine):
         ladder = power_of_two_ladder(-(-self.max_model_len // config.page_size))
         self.prefill.runner.page_buckets = self.runner.page_buckets = ladder
         self.counters.update(kv_transfers=0, kv_transfer_bytes=0, kv_transfer_block_bytes=0,
-                             kv_transfer_seconds=0.0)
+                             kv_transfer_seconds=0.0, **POOL_COUNTERS)
         if config.warmup:
             self.prefill.runner.warmup_transfer(self.spec.num_kv_heads, insert=False)
             self.runner.warmup_transfer(self.spec.num_kv_heads, gather=False)
@@ -179,16 +184,30 @@ class DisaggregatedEngine(LLMEngine):
         if self._inflight is None:
             self._dispatch_prefill()
         decode_busy = self.scheduler.has_work()
-        outputs += super().step() if decode_busy else []
+        if decode_busy:
+            outputs += self._decode_step()
         if self._inflight is not None and (not decode_busy or self.prefill.runner.is_ready(self._inflight.pending)):
             outputs += self._collect_prefill()
             if not decode_busy:
                 outputs += self._transfer_ready()
         return outputs
 
+    def _decode_step(self) -> list[RequestOutput]:
+        """One decode-pool step (`LLMEngine.step`), with its busy time and work in the pool counters."""
+        c = self.counters
+        steps, tokens, start = c["steps"], c["generation_tokens"], time.perf_counter()
+        outputs = super().step()
+        if c["steps"] > steps:
+            c["decode_busy_seconds"] += time.perf_counter() - start
+            c["decode_steps"] += 1
+            c["decode_output_tokens"] += c["generation_tokens"] - tokens
+            c["decode_batch_seqs"] += self.last_step.num_decode_tokens + len(self.last_step.prefill_chunks)
+        return outputs
+
     def _dispatch_prefill(self) -> None:
         if len(self._pending) >= self.disagg_config.max_pending_transfers:
             return  # back-pressure: the decode pool is behind
+        start = time.perf_counter()
         sched = self.prefill.scheduler
         batch = sched.schedule()
         stats = sched.stats()
@@ -198,13 +217,17 @@ class DisaggregatedEngine(LLMEngine):
         if batch is None:
             return
         sampling = self._sampling_for(batch, self.prefill.runner)
-        self._inflight = _InFlight(batch, sampling, self.prefill.runner.dispatch(batch, sampling))
+        pending = self.prefill.runner.dispatch(batch, sampling)
+        self._inflight = _InFlight(batch, sampling, pending, start, ReadyStamp(pending))
 
     def _collect_prefill(self) -> list[RequestOutput]:
         """Finish the in-flight prefill step: gather each completed prompt's KV and release its prefill pages."""
         flight, self._inflight = self._inflight, None
         batch, sched, runner = flight.batch, self.prefill.scheduler, self.prefill.runner
         result = runner.collect(flight.pending, batch, flight.sampling)
+        self.counters["prefill_busy_seconds"] += flight.ready.ready_at() - flight.start
+        self.counters["prefill_steps"] += 1
+        self.counters["prefill_prompt_tokens"] += batch.num_prefill_tokens
         sched.update_after_step(batch, np.where(batch.samples, result.tokens, -1))
         outputs = []
         now = self.clock()
@@ -213,6 +236,7 @@ class DisaggregatedEngine(LLMEngine):
                 continue
             tracked = self._tracked[req.request_id]
             self.counters["generation_tokens"] += 1
+            self.counters["prefill_prompts"] += 1
             if tracked.logprobs is not None:
                 tracked.logprobs.append(self._logprob_entry(result, s, req.sampling_params.logprobs or 0))
             n = req.num_computed_tokens
@@ -259,10 +283,12 @@ class DisaggregatedEngine(LLMEngine):
 
     # Reporting -------------------------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
+        """Both pools' gauges, the transfer and pool counters, and the pools' rates (`pool_rates`)."""
         out = super().stats()
         out["num_waiting"] += self.prefill.scheduler.num_waiting + len(self._pending)
         out.update(prefill_num_running=self.prefill.scheduler.num_running,
                    prefill_kv_usage=self.prefill.kv_manager.usage(), pending_transfers=len(self._pending))
+        out.update({k: v for k, v in pool_rates(self.counters).items() if v is not None})
         return out
 
     def integrity_check(self) -> None:

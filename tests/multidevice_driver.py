@@ -12,6 +12,7 @@ import sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import json  # noqa: E402
+import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -60,8 +61,10 @@ def run_disagg(pairs: list[tuple[int, int]]) -> dict:
         llm = LLM("tiny", disaggregate=True, prefill_devices=p, decode_devices=d, **ARGS)
         engine = llm.engine
         compiled = engine.runner.compile_count() + engine.prefill.runner.compile_count()
+        start = time.perf_counter()
         first = llm.generate(batch[:-1], sp)
         second = llm.generate(batch[-1:], sp)  # after the first batch: hits its cached prefix
+        seconds = time.perf_counter() - start
         engine.integrity_check()
         result[f"{p}+{d}"] = {
             "tokens": [o.outputs[0].token_ids for o in first + second],
@@ -72,6 +75,7 @@ def run_disagg(pairs: list[tuple[int, int]]) -> dict:
             "cached_tokens": second[0].num_cached_tokens,
             "compiles_after_warmup": engine.runner.compile_count() + engine.prefill.runner.compile_count() - compiled,
             "stats": engine.stats(),
+            "seconds": seconds,
         }
     return result
 

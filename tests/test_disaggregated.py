@@ -40,6 +40,25 @@ def test_kv_bytes_moved_equal_planner_prediction(runs, pair):
     assert run["stats"]["kv_transfer_bytes"] == sum(t[2] for t in run["transfers"])
 
 
+@pytest.mark.parametrize("pair", PAIRS)
+def test_pool_busy_time_and_work_are_counted(runs, pair):
+    run, n = runs[pair], len(runs[pair]["tokens"])
+    s = run["stats"]
+    out = sum(len(t) for t in run["tokens"])
+    assert s["prefill_prompts"] == n == s["kv_transfers"]  # every prompt prefilled once, on the prefill pool
+    assert s["prefill_prompt_tokens"] == sum(run["prompt_lens"].values()) - s["prefix_cache_hits"]
+    assert s["prefill_steps"] >= 2  # two generate calls
+    assert s["decode_output_tokens"] == out - n  # the first token of each request comes from the prefill pool
+    assert s["generation_tokens"] == out
+    assert s["decode_steps"] == s["steps"] >= max(len(t) for t in run["tokens"]) - 1
+    assert s["decode_batch_seqs"] == s["decode_output_tokens"]  # no decode-side recompute: one token per sequence
+    assert 1 <= s["decode_mean_batch"] <= 8  # max_num_seqs
+    for pool in ("prefill", "decode"):  # busy time is real and within the run's wall time
+        assert 0 < s[f"{pool}_busy_seconds"] <= run["seconds"]
+    assert s["prefill_prompts_per_busy_s"] == pytest.approx(n / s["prefill_busy_seconds"])
+    assert s["decode_step_ms"] == pytest.approx(1e3 * s["decode_busy_seconds"] / s["decode_steps"])
+
+
 def test_prefix_cache_hits_on_prefill_side(runs):
     for pair in PAIRS:
         assert runs[pair]["cached_tokens"] == 32

@@ -1,0 +1,64 @@
+"""Busy time and work done by each pool of a disaggregated engine, the runtime side of the P:D balance.
+
+A pool's capacity is the work it does per second of being busy: the prefill pool's prompts per busy second, the
+decode pool's output tokens per busy second. Busy time is measured per step:
+
+- prefill: from scheduling the step to the moment its outputs are ready on the device. The step is dispatched
+  and collected asynchronously (the engine only looks at it between decode steps), so a waiter thread blocks on
+  the step's outputs and stamps the time they become ready; time the finished step then waits to be collected
+  is not counted. The KV gather that follows (a small copy on the prefill devices) is not counted either.
+- decode: the whole synchronous decode step (schedule, forward, sample, stop checks), as colocated engine steps
+  are timed for calibration.
+
+Counters are cumulative (`engine.counters`); `pool_rates` turns them (or a run's deltas) into rates.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import jax
+
+POOL_COUNTERS: dict[str, float] = {
+    "prefill_steps": 0, "prefill_busy_seconds": 0.0, "prefill_prompts": 0, "prefill_prompt_tokens": 0,
+    "decode_steps": 0, "decode_busy_seconds": 0.0, "decode_output_tokens": 0, "decode_batch_seqs": 0,
+}
+
+
+class ReadyStamp:
+    """The `time.perf_counter()` at which dispatched device outputs became ready, stamped by a waiter thread."""
+
+    def __init__(self, pending: Any) -> None:
+        self._ready_at = 0.0
+        self._thread = threading.Thread(target=self._wait, args=(pending,), daemon=True)
+        self._thread.start()
+
+    def _wait(self, pending: Any) -> None:
+        jax.block_until_ready(pending)
+        self._ready_at = time.perf_counter()
+
+    def ready_at(self) -> float:
+        """Block until the outputs are ready; the time they became so."""
+        self._thread.join()
+        return self._ready_at
+
+
+def pool_rates(counters: dict[str, float]) -> dict[str, float | None]:
+    """Per-pool rates from cumulative counters (or a run's deltas); None where a pool did no work.
+
+    `prefill_prompts_per_busy_s`: prefill capacity in requests/s; `decode_tokens_per_busy_s`: decode capacity in
+    output tokens/s (divide by output_len - 1 for requests/s: the first token comes from the prefill pool);
+    `decode_mean_batch`: sequences per decode step; `*_step_ms`: mean busy time per step.
+    """
+
+    def ratio(a: str, b: str, scale: float = 1.0) -> float | None:
+        return scale * counters[a] / counters[b] if counters.get(b) else None
+
+    return {"prefill_prompts_per_busy_s": ratio("prefill_prompts", "prefill_busy_seconds"),
+            "prefill_tokens_per_busy_s": ratio("prefill_prompt_tokens", "prefill_busy_seconds"),
+            "prefill_step_ms": ratio("prefill_busy_seconds", "prefill_steps", 1e3),
+            "decode_tokens_per_busy_s": ratio("decode_output_tokens", "decode_busy_seconds"),
+            "decode_step_ms": ratio("decode_busy_seconds", "decode_steps", 1e3),
+            "decode_mean_batch": ratio("decode_batch_seqs", "decode_steps")}
