@@ -1,8 +1,8 @@
 """The jaxserve planner: roofline + queueing capacity model. Pure Python and numpy; never imports JAX.
 
 Entry points (see planner.api): `plan(PlanRequest) -> PlanResult`, `predict_step`, `predict_serving`,
-`choose_chunk_size`, `fit_coefficients` (calibration); the memory formula the runtime sizes its KV pool
-with is `planner.memory.kv_pool_pages`.
+`choose_chunk_size`, `fit_coefficients` (calibration), `pool_balance` (disaggregated pools); the memory
+formula the runtime sizes its KV pool with is `planner.memory.kv_pool_pages`.
 """
 
 from planner.api import (
@@ -17,11 +17,13 @@ from planner.api import (
     with_coefficients,
 )
 from planner.calibration import Sample, fit_coefficients, unit_terms
+from planner.disaggregate import PoolBalance, pool_balance
 from planner.hardware import CATALOG, Coefficients, Hardware, load_hardware, save_profile
 from planner.serving import ServingConfig, ServingPrediction, Workload
 
 __all__ = [
-    "CATALOG", "ChunkChoice", "Coefficients", "Hardware", "PlanRequest", "PlanResult", "Sample", "ServingConfig",
-    "ServingPrediction", "Workload", "choose_chunk_size", "chunked_prefill_itls", "fit_coefficients",
-    "load_hardware", "plan", "predict_serving", "predict_step", "save_profile", "unit_terms", "with_coefficients",
+    "CATALOG", "ChunkChoice", "Coefficients", "Hardware", "PlanRequest", "PlanResult", "PoolBalance", "Sample",
+    "ServingConfig", "ServingPrediction", "Workload", "choose_chunk_size", "chunked_prefill_itls",
+    "fit_coefficients", "load_hardware", "plan", "pool_balance", "predict_serving", "predict_step", "save_profile",
+    "unit_terms", "with_coefficients",
 ]

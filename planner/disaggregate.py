@@ -137,6 +137,80 @@ class _Pools:
                           True)
 
 
+@dataclass(frozen=True)
+class PoolBalance:
+    """What one prefill instance and one decode instance can each serve when kept busy, and how they compare.
+
+    Capacities are requests/s of work a pool completes per second of being busy (no queueing): the prefill
+    pool `1 / prefill_s`, the decode pool `B / (t_dec(B) (O - 1))` (the prefill pool draws the first token).
+    """
+
+    prefill_tp: int
+    decode_tp: int
+    input_len: int
+    output_len: int
+    decode_batch: float
+    prefill_s: float  # one whole prompt, one step (the M/G/1 service time of `plan_disaggregated`)
+    decode_step_s: float  # one decode step at `decode_batch` sequences of mean context input + output / 2
+    kv_bytes_per_request: float  # KV moved per request: the prompt's, all layers, the model's own KV heads
+
+    @property
+    def prefill_rps(self) -> float:
+        """Requests/s one prefill instance completes while busy."""
+        return 1.0 / self.prefill_s
+
+    @property
+    def decode_rps(self) -> float:
+        """Requests/s one decode instance completes while busy (inf when there is nothing to decode)."""
+        steps = self.output_len - 1
+        return math.inf if steps <= 0 else self.decode_batch / (self.decode_step_s * steps)
+
+    @property
+    def balance(self) -> float:
+        """Prefill capacity / decode capacity of one instance each: > 1, the decode pool is the bottleneck."""
+        return self.prefill_rps / self.decode_rps
+
+    @property
+    def balanced_pd(self) -> float:
+        """Prefill devices per decode device at which both pools serve the same rate."""
+        return (self.decode_rps / self.decode_tp) / (self.prefill_rps / self.prefill_tp)
+
+    def requests_per_s(self, prefill_instances: int, decode_instances: int) -> float:
+        """Rate the two pools sustain together: the slower pool's capacity."""
+        return min(prefill_instances * self.prefill_rps, decode_instances * self.decode_rps)
+
+    def split(self, num_devices: int) -> tuple[int, int]:
+        """(prefill instances, decode instances) on at most `num_devices` devices with the highest rate.
+
+        Ties go to fewer devices; (0, 0) when one instance of each does not fit.
+        """
+        best, key = (0, 0), (0.0, 0)
+        for n_p in range(1, (num_devices - self.decode_tp) // self.prefill_tp + 1):
+            n_d = (num_devices - n_p * self.prefill_tp) // self.decode_tp
+            for d in range(1, n_d + 1):
+                k = (self.requests_per_s(n_p, d), -(n_p * self.prefill_tp + d * self.decode_tp))
+                if k > key:
+                    best, key = (n_p, d), k
+        return best
+
+
+def pool_balance(spec: ModelSpec, hw: Hardware, input_len: int, output_len: int, *, prefill_tp: int = 1,
+                 decode_tp: int = 1, decode_batch: float = 1.0, dtype: str = "bf16", kv_dtype: str | None = None,
+                 prefix_hit: float = 0.0) -> PoolBalance:
+    """Each pool's capacity and their balance, from the same step model and pool math `plan_disaggregated` uses.
+
+    `decode_batch` (>= 1, fractional allowed: interpolated between whole batches) is the decode pool's mean
+    sequences per step; `prefix_hit` the share of prompt tokens the prefill pool's prefix cache serves.
+    """
+    if decode_batch < 1:
+        raise ValueError(f"decode_batch must be at least 1, got {decode_batch}")
+    pools = _Pools(spec, hw, Workload(input_len, output_len, prefix_hit=prefix_hit), dtype, kv_dtype, 16, 0.9)
+    return PoolBalance(prefill_tp=prefill_tp, decode_tp=decode_tp, input_len=input_len, output_len=output_len,
+                       decode_batch=decode_batch, prefill_s=pools.prefill_s(prefill_tp),
+                       decode_step_s=pools.t_dec(decode_tp, decode_batch),
+                       kv_bytes_per_request=input_len * kv_bytes_per_token(spec, pools.kv_dtype, tp=1))
+
+
 def plan_disaggregated(spec: ModelSpec, hw: Hardware, workload: Workload, num_devices: int, *,
                        dtype: str = "bf16", kv_dtype: str | None = None, page_size: int = 16,
                        gpu_memory_utilization: float = 0.9, ttft_slo_ms: float | None = None,
