@@ -157,6 +157,9 @@ class DisaggregatedEngine(LLMEngine):
         self._pending: deque[_Handoff] = deque()
         self._inflight: _InFlight | None = None
         self.transfers: deque[KVTransfer] = deque(maxlen=4096)
+        # (start, end) perf_counter of each pool's recent busy intervals: how much the pools ran at the same time.
+        self.busy_intervals: dict[str, deque[tuple[float, float]]] = {
+            "prefill": deque(maxlen=4096), "decode": deque(maxlen=4096)}
         # One page-count ladder for both pools, so every block the prefill pool gathers was warmed for insertion.
         ladder = power_of_two_ladder(-(-self.max_model_len // config.page_size))
         self.prefill.runner.page_buckets = self.runner.page_buckets = ladder
@@ -198,7 +201,9 @@ class DisaggregatedEngine(LLMEngine):
         steps, tokens, start = c["steps"], c["generation_tokens"], time.perf_counter()
         outputs = super().step()
         if c["steps"] > steps:
-            c["decode_busy_seconds"] += time.perf_counter() - start
+            end = time.perf_counter()
+            self.busy_intervals["decode"].append((start, end))
+            c["decode_busy_seconds"] += end - start
             c["decode_steps"] += 1
             c["decode_output_tokens"] += c["generation_tokens"] - tokens
             c["decode_batch_seqs"] += self.last_step.num_decode_tokens + len(self.last_step.prefill_chunks)
@@ -225,7 +230,9 @@ class DisaggregatedEngine(LLMEngine):
         flight, self._inflight = self._inflight, None
         batch, sched, runner = flight.batch, self.prefill.scheduler, self.prefill.runner
         result = runner.collect(flight.pending, batch, flight.sampling)
-        self.counters["prefill_busy_seconds"] += flight.ready.ready_at() - flight.start
+        ready = flight.ready.ready_at()
+        self.busy_intervals["prefill"].append((flight.start, ready))
+        self.counters["prefill_busy_seconds"] += ready - flight.start
         self.counters["prefill_steps"] += 1
         self.counters["prefill_prompt_tokens"] += batch.num_prefill_tokens
         sched.update_after_step(batch, np.where(batch.samples, result.tokens, -1))

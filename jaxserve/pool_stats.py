@@ -10,13 +10,16 @@ decode pool's output tokens per busy second. Busy time is measured per step:
 - decode: the whole synchronous decode step (schedule, forward, sample, stop checks), as colocated engine steps
   are timed for calibration.
 
-Counters are cumulative (`engine.counters`); `pool_rates` turns them (or a run's deltas) into rates.
+Counters are cumulative (`engine.counters`); `pool_rates` turns them (or a run's deltas) into rates. The engine
+also keeps each pool's recent busy intervals; `overlap_seconds` says how long both pools were busy at once (on
+devices that share hardware, e.g. fake CPU devices on the same cores, that is when they slow each other down).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -62,3 +65,17 @@ def pool_rates(counters: dict[str, float]) -> dict[str, float | None]:
             "decode_tokens_per_busy_s": ratio("decode_output_tokens", "decode_busy_seconds"),
             "decode_step_ms": ratio("decode_busy_seconds", "decode_steps", 1e3),
             "decode_mean_batch": ratio("decode_batch_seqs", "decode_steps")}
+
+
+def overlap_seconds(a: Iterable[tuple[float, float]], b: Iterable[tuple[float, float]]) -> float:
+    """Total time covered by both interval lists (each sorted, its intervals disjoint)."""
+    a, b = list(a), list(b)
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from jaxserve.engine_config import EngineConfig
+from jaxserve.pool_stats import overlap_seconds
 from planner.memory import kv_bytes_per_token
 from planner.model_spec import load_model_spec
 from tests.test_tensor_parallel import run_driver
@@ -56,6 +57,13 @@ def test_pool_busy_time_and_work_are_counted(runs, pair):
     for pool in ("prefill", "decode"):  # busy time is real and within the run's wall time
         assert 0 < s[f"{pool}_busy_seconds"] <= run["seconds"]
     assert s["prefill_prompts_per_busy_s"] == pytest.approx(n / s["prefill_busy_seconds"])
+    for pool in ("prefill", "decode"):  # one busy interval per step, in order, adding up to the busy time
+        spans = run["busy_intervals"][pool]
+        assert len(spans) == s[f"{pool}_steps"]
+        assert all(a0 < a1 <= b0 for (a0, a1), (b0, _) in zip(spans, spans[1:], strict=False))
+        assert sum(e - b for b, e in spans) == pytest.approx(s[f"{pool}_busy_seconds"])
+    both = overlap_seconds(run["busy_intervals"]["prefill"], run["busy_intervals"]["decode"])
+    assert 0 <= both <= min(s["prefill_busy_seconds"], s["decode_busy_seconds"])
     assert s["decode_step_ms"] == pytest.approx(1e3 * s["decode_busy_seconds"] / s["decode_steps"])
 
 
