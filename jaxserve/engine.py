@@ -16,7 +16,7 @@ import numpy as np
 from jaxserve.engine_config import EngineConfig
 from jaxserve.kv_cache_manager import KVCacheManager
 from jaxserve.model_builder import build_model_and_cache
-from jaxserve.model_runner import ModelRunner, power_of_two_ladder
+from jaxserve.model_runner import ModelRunner, default_token_ladder, power_of_two_ladder
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampler import SamplingArrays
@@ -59,7 +59,7 @@ class LLMEngine:
         self.max_model_len = built.max_model_len
         self.num_pages = built.num_pages
         self.dtype = built.dtype
-        token_buckets = config.token_buckets or power_of_two_ladder(config.max_num_batched_tokens)
+        token_buckets = config.token_buckets or default_token_ladder(config.max_num_batched_tokens)
         seq_buckets = config.seq_buckets or power_of_two_ladder(config.max_num_seqs)
         self.runner = ModelRunner(built.model, built.kv_caches, page_size=config.page_size,
                                   max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,

@@ -66,25 +66,13 @@ class ReportConfig:
 
     def engine_config(self):
         from jaxserve.engine_config import EngineConfig
+        from jaxserve.model_runner import half_octave_ladder
 
         return EngineConfig(model=self.model, dtype=self.dtype, seed=self.seed, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.budget, chunk_size=self.budget,
                             kv_cache_memory=self.kv_cache_memory,
                             token_buckets=half_octave_ladder(self.budget) if self.token_buckets is None
                             else self.token_buckets)
-
-
-def half_octave_ladder(limit: int) -> tuple[int, ...]:
-    """1, 2, 3, 4, 6, 8, 12, 16, ... up to `limit` (and `limit`): at most 1.5x padding, 2x with powers of two.
-
-    The runtime pads each step to its bucket and the planner does not model padding yet
-    (planner/NEEDS_FROM_BENCH.md, item 2), so the report's engine uses a finer ladder than the default.
-    """
-    out, b = [], 1
-    while b < limit:
-        out += [b] if b < 2 else [b, b * 3 // 2]
-        b *= 2
-    return tuple(sorted({x for x in out if x < limit} | {limit}))
 
 
 @dataclass
