@@ -26,6 +26,9 @@ DEFAULT_Q_BLOCK = 128
 DEFAULT_SMALL_Q_BLOCK = 16
 DEFAULT_DECODE_KV_BLOCK = 512
 DEFAULT_DECODE_TAIL_BLOCK = 128
+# A query block costs about as much as this many extra query rows (its KV gather and loop), measured on CPU with
+# `scripts/bench_attention.py` (a 16-row block over 1k tokens costs 0.18x of a 128-row one: (8+16)/(8+128)).
+Q_BLOCK_OVERHEAD_ROWS = 8
 
 
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
@@ -156,8 +159,8 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: 
     (`decode_mode="loop"`, O(sum of contexts), best on CPU; `decode_kv_block` tokens per block, the remainder
     in `decode_tail_block` blocks) or go all at once over blocks up to the longest
     context (`"batched"`, fewer and larger ops, for GPUs); "auto" picks loop on CPU, batched elsewhere.
-    Prefill chunks loop over query blocks of `q_block` rows (`small_q_block` rows for chunks that short) and,
-    for each, over the KV blocks up to the causal limit. Rows of padded tokens come back as zeros.
+    Prefill chunks loop over query blocks of `q_block` or `small_q_block` rows, whichever pads the chunk to
+    less work, and, for each, over the KV blocks up to the causal limit. Rows of padded tokens come back as zeros.
     """
     t, h, d = q.shape
     page_size, kvh = k_cache.shape[1], k_cache.shape[2]
@@ -211,8 +214,13 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: 
 
         if small_q_block >= q_block:
             return in_blocks(q_block, out)
-        # Short chunks (small chunk sizes under decode load) would pay for q_block rows of attention each.
-        return lax.cond(q_len <= small_q_block, partial(in_blocks, small_q_block), partial(in_blocks, q_block), out)
+        # Whichever block size pads the chunk to fewer effective rows: a short chunk in large blocks pays for
+        # q_block rows, a long one in small blocks re-gathers its KV once per block.
+        def cost(rows: int) -> jax.Array:
+            return (q_len + rows - 1) // rows * (rows + Q_BLOCK_OVERHEAD_ROWS)
+
+        return lax.cond(cost(small_q_block) < cost(q_block), partial(in_blocks, small_q_block),
+                        partial(in_blocks, q_block), out)
 
     out = lax.fori_loop(meta.num_decodes, meta.num_seqs, prefill_seq, out)
     return out[:t].reshape(t, h, d).astype(q.dtype)
