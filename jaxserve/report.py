@@ -5,8 +5,9 @@ loads at about 50% and 90% of the planner's predicted capacity, and the `long-pr
 planner's chunk (ITL target 2x the undisturbed TPOT) and without chunking. Every point is predicted by the
 planner on the calibrated profile: the grid by its discrete-event simulator (a static batch is a transient),
 the loads by the simulator on the engine's own arrival trace (the closed form's steady state beside it), the
-chunked runs by `chunked_prefill_itls`. Writes DIR/report.json, DIR/report.md and DIR/report.png
-(`report_render`).
+chunked runs by `chunked_prefill_itls`. With `--disagg P+D`, also a disaggregated engine's pool capacities
+against `planner.disaggregate.pool_balance` (`report_disagg`). Writes DIR/report.json, DIR/report.md and
+DIR/report.png (`report_render`).
 """
 
 from __future__ import annotations
@@ -52,12 +53,18 @@ class ReportConfig:
     token_buckets: tuple[int, ...] | None = None  # None: `half_octave_ladder(budget)`; (): the engine's default
     calibration: Any = None  # a CalibrationConfig; None: the default (quick with --quick)
     quick: bool = False
+    disagg: tuple[int, int] | None = None  # (prefill devices, decode devices): run the `report_disagg` part
+    disagg_input_len: int = 128
+    disagg_output_len: int = 32
+    disagg_num_prompts: int = 48
+    disagg_max_num_seqs: int = 16
 
     @classmethod
     def quick_config(cls, model: str = "tiny") -> ReportConfig:
         return cls(model=model, max_num_seqs=8, batch_sizes=(1, 4), context_lens=(16, 64), grid_output_len=4,
                    load_input_len=32, load_output_len=4, load_num_prompts=6, long_prompt_len=128, long_decodes=2,
-                   long_decode_input=16, long_tail_tokens=4, quick=True)
+                   long_decode_input=16, long_tail_tokens=4, disagg_input_len=32, disagg_output_len=4,
+                   disagg_num_prompts=6, disagg_max_num_seqs=4, quick=True)
 
     @property
     def budget(self) -> int:
@@ -266,6 +273,10 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "measured_unchunked_max_over_undisturbed": u["measured_max_over_undisturbed"],
             "predicted_unchunked_max_over_undisturbed": u["predicted_max_over_undisturbed"],
             "chunked_p99_error_pct": c["p99_itl_error_pct"], "unchunked_max_error_pct": u["max_itl_error_pct"]}
+    from jaxserve.report_disagg import summarize_disagg
+
+    if (disagg := summarize_disagg(rows)) is not None:
+        out["disagg"] = disagg
     t = out["targets"]
     out["met"] = {
         "tpot": out["median_abs_error_tpot_pct"] is not None and out["median_abs_error_tpot_pct"] <= t["tpot_pct"],
@@ -285,6 +296,7 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
     from jaxserve.calibrate import CalibrationConfig, calibrate, planner_dtype
     from jaxserve.engine import LLMEngine
     from jaxserve.report_chunked import run_chunked
+    from jaxserve.report_disagg import run_disagg
     from jaxserve.report_render import write_markdown, write_plot
     from planner.hardware import load_hardware
 
@@ -312,7 +324,7 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
         log(f"calibrated in {cal.seconds:.0f} s: step fit median |error| {cal.fit.median_abs_error:.1%}")
     ctx = Context(engine=engine, spec=engine.spec, hw=hw, dtype=planner_dtype(engine.dtype), cfg=cfg, log=log)
     rows: list[dict[str, Any]] = []
-    for part in (run_grid, run_loads, run_chunked):
+    for part in (run_grid, run_loads, run_chunked) + ((run_disagg,) if cfg.disagg else ()):
         rows += part(ctx)
         (out / "report.partial.json").write_text(json.dumps(finite({"rows": rows}), indent=2) + "\n")
     (out / "report.partial.json").unlink()
@@ -332,6 +344,8 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
 def _command():
     import click
 
+    from jaxserve.report_disagg import pools_option
+
     @click.command("report")
     @click.option("--model", default="small", show_default=True, help="Preset or HF checkpoint folder.")
     @click.option("--dtype", default="auto", show_default=True,
@@ -345,12 +359,22 @@ def _command():
     @click.option("--context-lens", default=None, help="Grid context lengths, comma-separated.")
     @click.option("--long-prompt-len", default=None, type=click.IntRange(min=16))
     @click.option("--load-num-prompts", default=None, type=click.IntRange(min=2))
+    @click.option("--disagg", default=None, metavar="P+D", callback=pools_option,
+                  help="Also serve a burst on P prefill + D decode devices (on CPU: P + D fake devices, at most "
+                       "the cores) and compare each pool's capacity with the planner's.")
     def report_command(model: str, dtype: str, profile: str | None, out_dir: str, quick: bool, seed: int,
                        batch_sizes: str | None, context_lens: str | None, long_prompt_len: int | None,
-                       load_num_prompts: int | None) -> None:
-        """Measured vs predicted: calibrate, grid, two loads, chunked prefill; DIR/report.{json,md,png}."""
+                       load_num_prompts: int | None, disagg: tuple[int, int] | None) -> None:
+        """Measured vs predicted: calibrate, grid, two loads, chunked prefill (+ --disagg); DIR/report.*."""
+        if disagg:  # before anything starts JAX: on CPU the devices are created with the backend
+            from jaxserve.report_disagg import provide_devices
+
+            try:
+                provide_devices(*disagg)
+            except ValueError as e:
+                raise click.UsageError(str(e)) from None
         cfg = ReportConfig.quick_config(model) if quick else ReportConfig(model=model)
-        cfg = replace(cfg, dtype=dtype, seed=seed)
+        cfg = replace(cfg, dtype=dtype, seed=seed, disagg=disagg)
         try:
             if batch_sizes:
                 cfg = replace(cfg, batch_sizes=tuple(int(v) for v in batch_sizes.split(",")))

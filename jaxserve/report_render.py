@@ -87,7 +87,10 @@ def write_markdown(report: dict[str, Any], path: str | Path) -> None:
                          f"{_f(r['predicted_p99_itl_ms'])} | {_f(r['measured_p99_itl_ms'])} | "
                          f"{_f(r['predicted_max_itl_ms'])} | {_f(r['measured_max_itl_ms'])} | "
                          f"{_f(r['predicted_ttft_ms'])} | {_f(r['measured_ttft_ms'])} |")
-    lines += ["", "Errors are (predicted - measured) / measured. Grid predictions: the planner's discrete-event "
+    from jaxserve.report_disagg import markdown as disagg_markdown
+
+    lines += [""] + disagg_markdown(report)
+    lines += ["Errors are (predicted - measured) / measured. Grid predictions: the planner's discrete-event "
               "simulator of the same static batch; loads: the simulator on the engine's own arrival trace (a short run "
               "from an empty engine is a transient), the closed form's steady state beside it.", ""]
     Path(path).write_text("\n".join(lines))

@@ -1,9 +1,12 @@
-"""`jaxserve report --quick`: every part runs and report.json/md/png carry the promised keys."""
+"""`jaxserve report --quick` (with `--disagg 1+1` where there are two cores): every part runs and
+report.json/md/png carry the promised keys; `--disagg` rejects bad input in one line."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
-from click.testing import CliRunner
 
 from jaxserve.bench.load import RunResult, StepRecord
 from jaxserve.bench.results import RequestRecord
@@ -14,13 +17,19 @@ ROW_KEYS = {"kind", "config", "predicted_ttft_ms", "measured_ttft_ms", "predicte
             "predicted_throughput", "measured_throughput", "ttft_error_pct", "tpot_error_pct", "throughput_error_pct"}
 
 
+CORES = len(os.sched_getaffinity(0))
+DISAGG = CORES >= 2  # --disagg 1+1 needs a core per pool
+
+
+def jaxserve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxserve", *args], capture_output=True, text=True, timeout=600)
+
+
 @pytest.fixture(scope="module")
 def report_dir(tmp_path_factory):
-    from jaxserve.cli import cli
-
-    out = tmp_path_factory.mktemp("report")
-    res = CliRunner().invoke(cli, ["report", "--quick", "--model", "tiny", "--out", str(out)])
-    assert res.exit_code == 0, res.output
+    out = tmp_path_factory.mktemp("report")  # a subprocess: --disagg gives it 2 CPU devices, this process has 1
+    res = jaxserve("report", "--quick", "--model", "tiny", "--out", str(out), *(["--disagg", "1+1"] if DISAGG else []))
+    assert res.returncode == 0, res.stderr
     return out
 
 
@@ -41,6 +50,63 @@ def test_report_files_and_keys(report_dir):
     assert {"chunked_p99", "unchunked_stall", "chunked_prediction"} <= set(s["met"])
     modes = {r["config"]["mode"]: r for r in rep["rows"] if r["kind"] == "chunked-prefill"}
     assert modes["chunked"]["config"]["step_budget"] < modes["unchunked"]["config"]["step_budget"]
+
+
+def test_disagg_rows_measure_each_pool_against_the_planner(report_dir):
+    if not DISAGG:
+        pytest.skip("one core: --disagg 1+1 is refused")
+    from planner.disaggregate import pool_balance
+    from planner.hardware import load_hardware
+    from planner.model_spec import load_model_spec
+
+    rep = json.loads((report_dir / "report.json").read_text())
+    rows = {r["config"]["quantity"]: r for r in rep["rows"] if r["kind"] == "disagg"}
+    assert list(rows) == ["prefill_capacity", "decode_capacity", "balance", "kv_bytes_per_request"]
+    pre, dec, bal, kv = rows.values()
+    assert pre["config"]["pools"] == "1+1" and pre["completed"] == 6
+    assert kv["transfers"] == 6 and kv["measured"] == kv["predicted"] == 32 * 512 and kv["error_pct"] == 0
+    assert pre["steps"] == 6  # the step budget is one prompt: one whole prompt per prefill step
+    assert pre["measured"] == pytest.approx(6 / pre["busy_seconds"])
+    assert dec["measured"] == pytest.approx(6 * 3 / dec["busy_seconds"] / 3)  # 3 of the 4 tokens decoded there
+    assert dec["steps"] >= 3 and 1 <= dec["decode_batch"] <= 4
+    assert bal["measured"] == pytest.approx(pre["measured"] / dec["measured"])
+    planned = pool_balance(load_model_spec("tiny"), load_hardware(report_dir / "profile.json"), 32, 4,
+                           decode_batch=dec["decode_batch"], dtype="fp32")
+    assert pre["predicted"] == pytest.approx(planned.prefill_rps)
+    assert dec["predicted"] == pytest.approx(planned.decode_rps)
+    assert bal["predicted"] == pytest.approx(planned.balance)
+    for r in (pre, dec):
+        assert 0 < r["busy_fraction"] <= 1 and 0 <= r["overlap_fraction"] <= 1
+    assert rep["summary"]["disagg"]["kv_bytes_per_request"]["error_pct"] == 0
+    md = (report_dir / "report.md").read_text()
+    assert "## Disaggregated prefill/decode (1+1" in md and "fake devices sharing the same cores" in md
+
+
+@pytest.mark.parametrize("value", ["3", "0+1", "1+x", "1+1+1"])
+def test_disagg_flag_rejects_bad_input_in_one_line(value, capsys):
+    from jaxserve.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["report", "--quick", "--disagg", value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error:") and "--disagg" in err
+
+
+def test_disagg_flag_needs_the_devices(tmp_path, capsys):
+    import jax
+
+    from jaxserve.cli import main
+
+    n = len(jax.devices())  # JAX has started here: the flag cannot add devices to this process any more
+    with pytest.raises(SystemExit) as e:
+        main(["report", "--quick", "--disagg", f"1+{n}", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.strip() == f"error: --disagg 1+{n} needs {n + 1} devices; {n} visible"
+    r = jaxserve("report", "--quick", "--disagg", f"1+{CORES}", "--out", str(tmp_path))  # fresh: CPU devices
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"needs {CORES + 1} CPU devices but this machine has {CORES} cores" in r.stderr
+    assert not (tmp_path / "report.json").exists()
 
 
 def test_summary_medians():
