@@ -35,7 +35,7 @@ from jaxserve.engine import LLMEngine
 from jaxserve.engine_config import EngineConfig
 from jaxserve.model_runner import power_of_two_ladder
 from jaxserve.outputs import RequestOutput
-from jaxserve.pool_stats import POOL_COUNTERS, ReadyStamp, pool_rates
+from jaxserve.pool_stats import POOL_COUNTERS, PoolStep, ReadyStamp, pool_rates
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampler import SamplingArrays
 from jaxserve.scheduler import Scheduler
@@ -157,9 +157,8 @@ class DisaggregatedEngine(LLMEngine):
         self._pending: deque[_Handoff] = deque()
         self._inflight: _InFlight | None = None
         self.transfers: deque[KVTransfer] = deque(maxlen=4096)
-        # (start, end) perf_counter of each pool's recent busy intervals: how much the pools ran at the same time.
-        self.busy_intervals: dict[str, deque[tuple[float, float]]] = {
-            "prefill": deque(maxlen=4096), "decode": deque(maxlen=4096)}
+        # Each pool's recent steps (busy interval and shape): how much the pools ran at the same time, and how fast.
+        self.pool_steps: dict[str, deque[PoolStep]] = {"prefill": deque(maxlen=4096), "decode": deque(maxlen=4096)}
         # One page-count ladder for both pools, so every block the prefill pool gathers was warmed for insertion.
         ladder = power_of_two_ladder(-(-self.max_model_len // config.page_size))
         self.prefill.runner.page_buckets = self.runner.page_buckets = ladder
@@ -202,7 +201,7 @@ class DisaggregatedEngine(LLMEngine):
         outputs = super().step()
         if c["steps"] > steps:
             end = time.perf_counter()
-            self.busy_intervals["decode"].append((start, end))
+            self.pool_steps["decode"].append(PoolStep.of_stats(start, end, self.last_step))
             c["decode_busy_seconds"] += end - start
             c["decode_steps"] += 1
             c["decode_output_tokens"] += c["generation_tokens"] - tokens
@@ -231,7 +230,7 @@ class DisaggregatedEngine(LLMEngine):
         batch, sched, runner = flight.batch, self.prefill.scheduler, self.prefill.runner
         result = runner.collect(flight.pending, batch, flight.sampling)
         ready = flight.ready.ready_at()
-        self.busy_intervals["prefill"].append((flight.start, ready))
+        self.pool_steps["prefill"].append(PoolStep.of_batch(flight.start, ready, batch))
         self.counters["prefill_busy_seconds"] += ready - flight.start
         self.counters["prefill_steps"] += 1
         self.counters["prefill_prompt_tokens"] += batch.num_prefill_tokens

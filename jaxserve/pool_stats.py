@@ -11,23 +11,47 @@ decode pool's output tokens per busy second. Busy time is measured per step:
   are timed for calibration.
 
 Counters are cumulative (`engine.counters`); `pool_rates` turns them (or a run's deltas) into rates. The engine
-also keeps each pool's recent busy intervals; `overlap_seconds` says how long both pools were busy at once (on
-devices that share hardware, e.g. fake CPU devices on the same cores, that is when they slow each other down).
+also keeps each pool's recent steps (`PoolStep`: busy interval and shape); `overlap_fractions` says how much of
+each step ran while the other pool was busy (on devices that share hardware, e.g. fake CPU devices on the same
+cores, that is when they slow each other down).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 POOL_COUNTERS: dict[str, float] = {
     "prefill_steps": 0, "prefill_busy_seconds": 0.0, "prefill_prompts": 0, "prefill_prompt_tokens": 0,
     "decode_steps": 0, "decode_busy_seconds": 0.0, "decode_output_tokens": 0, "decode_batch_seqs": 0,
 }
+
+
+class PoolStep(NamedTuple):
+    """One step of a pool: its busy interval (perf_counter seconds) and its shape, as the step model takes it."""
+
+    start: float
+    end: float
+    num_decodes: int
+    decode_context_tokens: int  # sum of the decodes' KV lengths, the new token included
+    prefill_chunks: tuple[tuple[int, int], ...]  # (chunk tokens, tokens before it)
+
+    @classmethod
+    def of_batch(cls, start: float, end: float, batch: Any) -> PoolStep:
+        """A step that ran `batch` (a `RaggedBatch`)."""
+        q = np.diff(batch.cu_q_lens)
+        chunks = tuple((int(q[s]), int(batch.kv_lens[s] - q[s])) for s in range(batch.num_decodes, batch.num_seqs))
+        return cls(start, end, batch.num_decodes, int(batch.kv_lens[: batch.num_decodes].sum()), chunks)
+
+    @classmethod
+    def of_stats(cls, start: float, end: float, stats: Any) -> PoolStep:
+        """A step described by the engine's `StepStats`."""
+        return cls(start, end, stats.num_decode_tokens, stats.decode_context_tokens, tuple(stats.prefill_chunks))
 
 
 class ReadyStamp:
@@ -67,15 +91,15 @@ def pool_rates(counters: dict[str, float]) -> dict[str, float | None]:
             "decode_mean_batch": ratio("decode_batch_seqs", "decode_steps")}
 
 
-def overlap_seconds(a: Iterable[tuple[float, float]], b: Iterable[tuple[float, float]]) -> float:
-    """Total time covered by both interval lists (each sorted, its intervals disjoint)."""
-    a, b = list(a), list(b)
-    i = j = 0
-    total = 0.0
-    while i < len(a) and j < len(b):
-        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
+def overlap_fractions(steps: Sequence[PoolStep], other: Sequence[PoolStep]) -> list[float]:
+    """For each of `steps`, the fraction of its busy interval during which one of `other` ran (both in order)."""
+    out, j = [], 0
+    for s in steps:
+        while j < len(other) and other[j].end <= s.start:
             j += 1
-    return total
+        both, k = 0.0, j
+        while k < len(other) and other[k].start < s.end:
+            both += max(0.0, min(s.end, other[k].end) - max(s.start, other[k].start))
+            k += 1
+        out.append(both / (s.end - s.start) if s.end > s.start else 0.0)
+    return out

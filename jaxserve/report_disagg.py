@@ -11,7 +11,8 @@ one whole prompt, as the planner's prefill pool assumes. The balance is prefill 
 KV bytes per request are the measured mean against `kv_bytes_per_token * prompt_len`.
 
 On CPU the pools are fake devices on the same cores: while both compute, each is slower than calibrated alone.
-The overlap of their busy intervals is reported beside the capacities; it is not corrected for.
+So every step is also checked against the step model on its own shape, split by whether the other pool was busy
+for at least half of it (`overlap_fractions`): that measures the slow-down. The capacities are not corrected.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def run_disagg(ctx) -> list[dict[str, Any]]:
     import jax
 
     from jaxserve.disaggregated import DisaggregatedEngine
-    from jaxserve.pool_stats import overlap_seconds, pool_rates
+    from jaxserve.pool_stats import pool_rates
     from planner.disaggregate import pool_balance
 
     cfg, log = ctx.cfg, ctx.log
@@ -113,8 +114,8 @@ def run_disagg(ctx) -> list[dict[str, Any]]:
         return run_engine(engine, reqs, LoadConfig(), salt=ctx.next_salt())
 
     burst(2, cfg.seed + 5)  # first-run effects (transfers, host paths) stay out of the measurement
-    for spans in engine.busy_intervals.values():
-        spans.clear()
+    for steps in engine.pool_steps.values():
+        steps.clear()
     run = burst(cfg.disagg_num_prompts, cfg.seed + 6)
     c, rates = run.counters, pool_rates(run.counters)
     batch = rates["decode_mean_batch"] or 1.0
@@ -122,16 +123,16 @@ def run_disagg(ctx) -> list[dict[str, Any]]:
                         dtype=ctx.dtype)
     meas_p = rates["prefill_prompts_per_busy_s"]
     meas_d = rates["decode_tokens_per_busy_s"] / (n_out - 1) if rates["decode_tokens_per_busy_s"] else None
-    both = overlap_seconds(engine.busy_intervals["prefill"], engine.busy_intervals["decode"])
     busy = {pool: c[f"{pool}_busy_seconds"] for pool in ("prefill", "decode")}
+    checks = {"prefill": _step_check(ctx, engine, "prefill", "decode", p),
+              "decode": _step_check(ctx, engine, "decode", "prefill", d)}
     completed = sum(r.success for r in run.records)
     config = {"pools": f"{p}+{d}", "prefill_devices": p, "decode_devices": d, "input_len": n_in,
               "output_len": n_out, "num_prompts": cfg.disagg_num_prompts, "max_num_seqs": cfg.disagg_max_num_seqs,
               "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind}
     pool_extra = {pool: {"steps": c[f"{pool}_steps"], "busy_seconds": busy[pool],
-                         "busy_fraction": busy[pool] / run.duration,
-                         "overlap_fraction": both / busy[pool] if busy[pool] else None,
-                         "measured_step_ms": rates[f"{pool}_step_ms"]} for pool in busy}
+                         "busy_fraction": busy[pool] / run.duration, "measured_step_ms": rates[f"{pool}_step_ms"],
+                         **checks[pool]} for pool in busy}
     measured = {"prefill_capacity": meas_p, "decode_capacity": meas_d,
                 "balance": meas_p / meas_d if meas_p and meas_d else None,
                 "kv_bytes_per_request": c["kv_transfer_bytes"] / c["kv_transfers"] if c["kv_transfers"] else None}
@@ -154,10 +155,42 @@ def run_disagg(ctx) -> list[dict[str, Any]]:
                      "ttft_error_pct": None, "tpot_error_pct": None, "throughput_error_pct": None})
         log(f"disagg {p}+{d} {q}: measured {_f(measured[q], '.4g')} {unit} (pred {_f(predicted[q], '.4g')}, "
             f"{_pct(rows[-1]['error_pct'])})")
-    log(f"disagg {p}+{d}: decode batch {batch:.1f}; pools busy at once {both:.2f} s = "
-        f"{_pct0(pool_extra['prefill']['overlap_fraction'])} of prefill, "
-        f"{_pct0(pool_extra['decode']['overlap_fraction'])} of decode busy time")
+    for pool, x in pool_extra.items():
+        log(f"disagg {p}+{d} {pool} steps: {_pct0(x['overlap_fraction'])} of busy time beside the other pool; "
+            f"measured / predicted step: alone {_f(x['alone_over_predicted'], '.2f')} ({x['alone_steps']} steps), "
+            f"beside the other pool {_f(x['shared_over_predicted'], '.2f')} ({x['shared_steps']} steps)")
+    log(f"disagg {p}+{d}: mean decode batch {batch:.1f}")
     return rows
+
+
+def _step_check(ctx, engine, pool: str, other: str, tp: int) -> dict[str, Any]:
+    """Each step of `pool` against the step model on its own shape and padded bucket, split by whether the
+    other pool was busy for at least half of it: how much the pools slow each other down, measured."""
+    import numpy as np
+
+    from jaxserve.pool_stats import overlap_fractions
+    from planner.step_model import StepShape, decode_shape, pad_tokens, prefill_shape, step_time_shape
+
+    steps = list(engine.pool_steps[pool])
+    fractions = overlap_fractions(steps, list(engine.pool_steps[other]))
+    buckets = (engine.prefill if pool == "prefill" else engine).runner.token_buckets
+    groups: dict[str, list[float]] = {"alone": [], "shared": []}
+    for s, f in zip(steps, fractions, strict=True):
+        shape = StepShape()
+        if s.num_decodes:  # the engine counts the new token in the context; decode_shape adds it
+            shape = decode_shape(s.num_decodes, max(0.0, s.decode_context_tokens / s.num_decodes - 1))
+        for q, done in s.prefill_chunks:
+            shape = shape + prefill_shape(q, done)
+        pred = step_time_shape(ctx.spec, ctx.hw, shape, tp=tp, dtype=ctx.dtype,
+                               padded_tokens=pad_tokens(shape.num_tokens, buckets)).total_s
+        groups["shared" if f >= 0.5 else "alone"].append((s.end - s.start) / pred)
+    busy = sum(s.end - s.start for s in steps)
+    both = sum(f * (s.end - s.start) for s, f in zip(steps, fractions, strict=True))
+    out: dict[str, Any] = {"overlap_fraction": both / busy if busy else None}
+    for k, ratios in groups.items():
+        out[f"{k}_steps"] = len(ratios)
+        out[f"{k}_over_predicted"] = float(np.median(ratios)) if ratios else None
+    return out
 
 
 def summarize_disagg(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -197,15 +230,19 @@ def markdown(report: dict[str, Any]) -> list[str]:
               f"{pre['duration_s']:.2f} s run. Balanced split: {_f(bal['predicted_balanced_pd'], '.2f')} prefill "
               f"devices per decode device predicted, {_f(bal['measured_balanced_pd'], '.2f')} measured. KV move: "
               f"{_f(rows['kv_bytes_per_request']['transfer_ms'], '.2f')} ms per request."]
-    overlap = (f"{_pct0(pre['overlap_fraction'])} of the prefill pool's busy time and {_pct0(dec['overlap_fraction'])}"
-               f" of the decode pool's were spent with the other pool busy too")
+    lines += ["", "Each step against the step model on its own shape and padded bucket (median measured / "
+              "predicted), split by whether the other pool was busy for at least half of it:", "",
+              "| pool | busy beside the other pool | alone: steps | alone: meas / pred | beside: steps "
+              "| beside: meas / pred |", "|---|---|---|---|---|---|"]
+    for name, r in (("prefill", pre), ("decode", dec)):
+        lines.append(f"| {name} | {_pct0(r['overlap_fraction'])} | {r['alone_steps']} | "
+                     f"{_f(r['alone_over_predicted'], '.2f')} | {r['shared_steps']} | "
+                     f"{_f(r['shared_over_predicted'], '.2f')} |")
     if c["platform"] == "cpu":
-        lines += ["", f"On CPU the pools are fake devices sharing the same cores: {overlap}, and then each step runs "
-                  "slower than the single-device calibration it is predicted from. The planner assumes separate "
-                  "devices, so on CPU the measured capacities are expected below the predicted ones; the numbers "
-                  "are not corrected for it."]
-    else:
-        lines += ["", f"Overlap: {overlap}."]
+        lines += ["", "On CPU the pools are fake devices sharing the same cores, so a step that runs beside the other "
+                  "pool's is slower than the single-device calibration it is predicted from. The planner assumes "
+                  "separate devices: on CPU the measured capacities are expected below the predicted ones, and "
+                  "the numbers above are not corrected for it."]
     return lines + [""]
 
 

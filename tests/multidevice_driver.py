@@ -76,7 +76,7 @@ def run_disagg(pairs: list[tuple[int, int]]) -> dict:
             "compiles_after_warmup": engine.runner.compile_count() + engine.prefill.runner.compile_count() - compiled,
             "stats": engine.stats(),
             "seconds": seconds,
-            "busy_intervals": {pool: [list(x) for x in v] for pool, v in engine.busy_intervals.items()},
+            "pool_steps": {pool: [list(x) for x in v] for pool, v in engine.pool_steps.items()},
         }
     return result
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from jaxserve.engine_config import EngineConfig
-from jaxserve.pool_stats import overlap_seconds
+from jaxserve.pool_stats import PoolStep, overlap_fractions
 from planner.memory import kv_bytes_per_token
 from planner.model_spec import load_model_spec
 from tests.test_tensor_parallel import run_driver
@@ -57,14 +57,30 @@ def test_pool_busy_time_and_work_are_counted(runs, pair):
     for pool in ("prefill", "decode"):  # busy time is real and within the run's wall time
         assert 0 < s[f"{pool}_busy_seconds"] <= run["seconds"]
     assert s["prefill_prompts_per_busy_s"] == pytest.approx(n / s["prefill_busy_seconds"])
-    for pool in ("prefill", "decode"):  # one busy interval per step, in order, adding up to the busy time
-        spans = run["busy_intervals"][pool]
+    steps = {pool: [PoolStep(*x[:4], tuple(map(tuple, x[4]))) for x in run["pool_steps"][pool]]
+             for pool in ("prefill", "decode")}
+    for pool, spans in steps.items():  # one record per step, in order, adding up to the busy time
         assert len(spans) == s[f"{pool}_steps"]
-        assert all(a0 < a1 <= b0 for (a0, a1), (b0, _) in zip(spans, spans[1:], strict=False))
-        assert sum(e - b for b, e in spans) == pytest.approx(s[f"{pool}_busy_seconds"])
-    both = overlap_seconds(run["busy_intervals"]["prefill"], run["busy_intervals"]["decode"])
-    assert 0 <= both <= min(s["prefill_busy_seconds"], s["decode_busy_seconds"])
+        assert all(a.start < a.end <= b.start for a, b in zip(spans, spans[1:], strict=False))
+        assert sum(x.end - x.start for x in spans) == pytest.approx(s[f"{pool}_busy_seconds"])
+    assert sum(q for x in steps["prefill"] for q, _ in x.prefill_chunks) == s["prefill_prompt_tokens"]
+    assert all(x.num_decodes == 0 for x in steps["prefill"])
+    assert sum(x.num_decodes for x in steps["decode"]) == s["decode_output_tokens"]
+    fractions = overlap_fractions(steps["prefill"], steps["decode"])
+    assert all(0 <= f <= 1 for f in fractions)
+    both = sum(f * (x.end - x.start) for f, x in zip(fractions, steps["prefill"], strict=True))
+    assert both <= min(s["prefill_busy_seconds"], s["decode_busy_seconds"]) + 1e-9
     assert s["decode_step_ms"] == pytest.approx(1e3 * s["decode_busy_seconds"] / s["decode_steps"])
+
+
+def test_overlap_fractions_by_hand():
+    def span(a: float, b: float) -> PoolStep:
+        return PoolStep(a, b, 0, 0, ())
+
+    prefill = [span(0, 2), span(3, 5), span(6, 7)]
+    decode = [span(1, 4), span(4.5, 4.75), span(8, 9)]
+    assert overlap_fractions(prefill, decode) == pytest.approx([0.5, 0.625, 0.0])
+    assert overlap_fractions(decode, prefill) == pytest.approx([2 / 3, 1.0, 0.0])
 
 
 def test_prefix_cache_hits_on_prefill_side(runs):

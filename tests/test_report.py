@@ -77,6 +77,8 @@ def test_disagg_rows_measure_each_pool_against_the_planner(report_dir):
     assert bal["predicted"] == pytest.approx(planned.balance)
     for r in (pre, dec):
         assert 0 < r["busy_fraction"] <= 1 and 0 <= r["overlap_fraction"] <= 1
+        assert r["alone_steps"] + r["shared_steps"] == r["steps"]  # every step checked against the step model
+        assert all(r[f"{k}_over_predicted"] > 0 for k in ("alone", "shared") if r[f"{k}_steps"])
     assert rep["summary"]["disagg"]["kv_bytes_per_request"]["error_pct"] == 0
     md = (report_dir / "report.md").read_text()
     assert "## Disaggregated prefill/decode (1+1" in md and "fake devices sharing the same cores" in md
