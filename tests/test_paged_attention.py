@@ -147,6 +147,30 @@ def test_property_random_ragged(heads, kv_heads, decode_mode, batch, seed):
     check(np.random.default_rng(seed), heads, kv_heads, decode_ctx, prefill, decode_mode=decode_mode)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads"), HEADS)
+def test_one_token_step(heads, kv_heads):
+    """A one-token step (the batch-1 decode bucket) takes its own path: a decode, a first prompt token, padding."""
+    rng = np.random.default_rng(3)
+    for decode_ctx, prefill in (([37], []), ([], [(1, 0)]), ([], [(1, 20)]), ([], [])):
+        m = build_batch(rng, decode_ctx, prefill)
+        m["slot_mapping"] = m["slot_mapping"][:1]
+        q = rng.standard_normal((1, heads, D), dtype=np.float32)
+        k_cache = rng.standard_normal((NUM_PAGES, PAGE_SIZE, kv_heads, D), dtype=np.float32)
+        v_cache = rng.standard_normal((NUM_PAGES, PAGE_SIZE, kv_heads, D), dtype=np.float32)
+        meta = AttentionMetadata(**{k: jnp.asarray(v) for k, v in m.items()})
+        out = np.asarray(attention_fn(8, 8, "loop")(jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache), meta))
+        np.testing.assert_allclose(out, dense_reference(q, k_cache, v_cache, m, D**-0.5), atol=2e-5, rtol=2e-5)
+
+
+def test_write_kv_of_one_token_lands_in_its_slot():
+    k_cache, v_cache = jnp.zeros((6, 4, 2, 3)), jnp.zeros((6, 4, 2, 3))
+    k, v = jnp.ones((1, 2, 3)), 2 * jnp.ones((1, 2, 3))
+    kc, vc = jax.jit(write_kv)(k_cache, v_cache, k, v, jnp.asarray([22], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(kc)[5, 2], np.ones((2, 3)))
+    np.testing.assert_array_equal(np.asarray(vc)[5, 2], 2 * np.ones((2, 3)))
+    assert float(kc.sum()) == 6 and float(vc.sum()) == 12
+
+
 def test_write_kv_scatters_into_slots():
     rng = np.random.default_rng(0)
     k_cache = jnp.zeros((6, 4, 2, 3))

@@ -35,6 +35,10 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Scatter new K/V [T, kv_heads, head_dim] into their slots (page * page_size + offset)."""
     num_pages, page_size, kvh, d = k_cache.shape
+    if k.shape[0] == 1:  # one token (the batch-1 decode step): an in-place slice update, cheaper than a scatter
+        at = (slot_mapping[0] // page_size, slot_mapping[0] % page_size, 0, 0)
+        return (lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype)[None], at),
+                lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype)[None], at))
     flat = (num_pages * page_size, kvh, d)
     k_cache = k_cache.reshape(flat).at[slot_mapping].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.reshape(flat).at[slot_mapping].set(v.astype(v_cache.dtype), mode="drop")
@@ -173,6 +177,10 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: 
     qg = q.reshape(t, kvh, g, d)
     out = jnp.zeros((t + q_block, kvh, g, d), jnp.float32)
 
+    if t == 1:  # a one-token step is one query at the end of its sequence (or padding, when num_seqs is 0)
+        o = _decode_one(qg[0], k_cache, v_cache, page_table[0], meta.kv_lens[0], scale, decode_block_pages,
+                        tail_pages)
+        return jnp.where(meta.num_seqs > 0, o, 0.0).reshape(1, h, d).astype(q.dtype)
     if decode_mode == "auto":
         decode_mode = "loop" if jax.default_backend() == "cpu" else "batched"
     if decode_mode == "batched":
