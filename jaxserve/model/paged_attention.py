@@ -12,7 +12,6 @@ over later.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -214,28 +213,30 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: 
         ctx = kv_len - q_len  # position of the first query token
         page_row = page_table[s]
 
-        def in_blocks(rows: int, out: jax.Array) -> jax.Array:
+        def in_blocks(rows: int, first: jax.Array, count: jax.Array, out: jax.Array) -> jax.Array:
+            """`count` blocks of `rows` query rows, from the chunk's row `first` on."""
             def qblock_body(i: jax.Array, out: jax.Array) -> jax.Array:
-                row0 = q_start + i * rows
+                r0 = first + i * rows
+                row0 = q_start + r0
                 qb = lax.dynamic_slice_in_dim(q_pad, row0, rows, axis=0)
-                kv_end = jnp.minimum(kv_len, ctx + (i + 1) * rows)
-                o = _prefill_block(qb, ctx + i * rows, k_cache, v_cache, page_row, kv_len, kv_end, scale,
-                                   block_pages)
+                kv_end = jnp.minimum(kv_len, ctx + r0 + rows)
+                o = _prefill_block(qb, ctx + r0, k_cache, v_cache, page_row, kv_len, kv_end, scale, block_pages)
                 old = lax.dynamic_slice_in_dim(out, row0, rows, axis=0)
                 keep = (row0 + jnp.arange(rows) < q_end)[:, None, None, None]
                 return lax.dynamic_update_slice_in_dim(out, jnp.where(keep, o, old), row0, axis=0)
 
-            return lax.fori_loop(0, (q_len + rows - 1) // rows, qblock_body, out)
+            return lax.fori_loop(0, count, qblock_body, out)
 
         if small_q_block >= q_block:
-            return in_blocks(q_block, out)
-        # Whichever block size pads the chunk to fewer effective rows: a short chunk in large blocks pays for
-        # q_block rows, a long one in small blocks re-gathers its KV once per block.
-        def cost(rows: int) -> jax.Array:
-            return (q_len + rows - 1) // rows * (rows + Q_BLOCK_OVERHEAD_ROWS)
-
-        return lax.cond(cost(small_q_block) < cost(q_block), partial(in_blocks, small_q_block),
-                        partial(in_blocks, q_block), out)
+            return in_blocks(q_block, 0, (q_len + q_block - 1) // q_block, out)
+        # Whole q_block blocks, then the rest in small blocks, unless one more padded large block is cheaper: a
+        # short rest in a large block pays for q_block rows, a long one in small blocks re-gathers its KV per block.
+        n_big = q_len // q_block
+        n_small = (q_len - n_big * q_block + small_q_block - 1) // small_q_block
+        pad_big = n_small * (small_q_block + Q_BLOCK_OVERHEAD_ROWS) > q_block + Q_BLOCK_OVERHEAD_ROWS
+        n_big = n_big + pad_big.astype(n_big.dtype)
+        out = in_blocks(q_block, 0, n_big, out)
+        return in_blocks(small_q_block, n_big * q_block, jnp.where(pad_big, 0, n_small), out)
 
     out = lax.fori_loop(meta.num_decodes, meta.num_seqs, prefill_seq, out)
     return out[:t].reshape(t, h, d).astype(q.dtype)
