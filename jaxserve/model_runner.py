@@ -56,8 +56,15 @@ def half_octave_ladder(limit: int, start: int = 1) -> tuple[int, ...]:
 
 
 def default_token_ladder(limit: int) -> tuple[int, ...]:
-    """The engine's token buckets when none are configured: half-octave steps above 64 tokens."""
-    return half_octave_ladder(limit, start=64)
+    """The engine's token buckets when none are configured: half-octave steps above 64 tokens, quarter-octave
+    steps above 256 (..., 256, 320, 384, 448, 512, 640, ...), where a prefill step's matmuls are compute-bound
+    on a CPU and every padded token costs as much as a real one."""
+    out = {b for b in half_octave_ladder(limit, start=64) if b <= 256}
+    b = 256
+    while b < limit:
+        out |= {b * k // 4 for k in (4, 5, 6, 7) if b * k // 4 < limit}
+        b *= 2
+    return tuple(sorted(out | {limit}))
 
 
 def bucket_for(n: int, ladder: tuple[int, ...]) -> int:

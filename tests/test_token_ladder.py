@@ -1,0 +1,31 @@
+"""Token buckets: how much a step can be padded, and which bucket a step lands in."""
+
+import pytest
+
+from jaxserve.model_runner import bucket_for, default_token_ladder, half_octave_ladder, power_of_two_ladder
+
+
+@pytest.mark.parametrize("limit", [1, 50, 128, 300, 512, 2048, 8192])
+def test_default_ladder_bounds_padding(limit):
+    ladder = default_token_ladder(limit)
+    assert ladder[-1] == limit and list(ladder) == sorted(set(ladder))
+    for n in range(1, limit + 1):
+        b = bucket_for(n, ladder)
+        assert b >= n
+        if n > 256:
+            assert b <= 1.25 * n + 1, (n, b)  # a prefill step above 256 tokens wastes at most a fifth
+        elif n > 64:
+            assert b <= 1.5 * n + 1, (n, b)
+
+
+def test_ladders_for_a_2048_token_budget():
+    assert default_token_ladder(2048) == (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768,
+                                          896, 1024, 1280, 1536, 1792, 2048)
+    assert half_octave_ladder(100) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 100)
+    assert power_of_two_ladder(100) == (1, 2, 4, 8, 16, 32, 64, 100)
+
+
+def test_bucket_for_rejects_a_step_past_the_ladder():
+    assert bucket_for(300, default_token_ladder(512)) == 320
+    with pytest.raises(ValueError, match="exceeds the largest bucket 512"):
+        bucket_for(513, default_token_ladder(512))
