@@ -66,6 +66,15 @@ def _online_update(carry: tuple, s: jax.Array, mask: jax.Array, pv: Callable[[ja
     return m_new, den, acc
 
 
+def _online_update_unmasked(carry: tuple, s: jax.Array, pv: Callable[[jax.Array], jax.Array]) -> tuple:
+    """`_online_update` for a block every query sees whole: scores are finite, no mask, no guards."""
+    m, den, acc = carry
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    p = jnp.exp(s - m_new[..., None])
+    alpha = jnp.exp(m - m_new)
+    return m_new, den * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv(p)
+
+
 def _finish(den: jax.Array, acc: jax.Array) -> jax.Array:
     return jnp.where(den[..., None] > 0, acc / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
 
@@ -145,17 +154,22 @@ def _prefill_block(qb: jax.Array, q_pos0: jax.Array, k_cache: jax.Array, v_cache
     dims_qk = (((2,), (2,)), ((0,), (0,)))
     dims_pv = (((2,), (1,)), ((0,), (0,)))
 
-    def body(b: jax.Array, carry: tuple) -> tuple:
+    def body(b: jax.Array, carry: tuple, masked: bool) -> tuple:
         kb = jnp.swapaxes(_gather_block(k_cache, page_row, b * block_pages, block_pages), 0, 1)  # [kvh, t, d]
         vb = jnp.swapaxes(_gather_block(v_cache, page_row, b * block_pages, block_pages), 0, 1)
         s = lax.dot_general(qf, kb.astype(jnp.float32), dims_qk)  # [kvh, g*Bq, t]
-        t_pos = b * block + jnp.arange(block)
-        mask = ((t_pos[None, :] <= q_pos[:, None]) & (t_pos[None, :] < kv_len))[None]
-        return _online_update(carry, s, mask, lambda p: lax.dot_general(p, vb.astype(jnp.float32), dims_pv))
+        if masked:
+            t_pos = b * block + jnp.arange(block)
+            mask = ((t_pos[None, :] <= q_pos[:, None]) & (t_pos[None, :] < kv_len))[None]
+            return _online_update(carry, s, mask, lambda p: lax.dot_general(p, vb.astype(jnp.float32), dims_pv))
+        return _online_update_unmasked(carry, s, lambda p: lax.dot_general(p, vb.astype(jnp.float32), dims_pv))
 
     init = (jnp.full((kvh, g * bq), -jnp.inf, jnp.float32), jnp.zeros((kvh, g * bq), jnp.float32),
             jnp.zeros((kvh, g * bq, d), jnp.float32))
-    _, den, acc = lax.fori_loop(0, (kv_end + block - 1) // block, body, init)
+    n = (kv_end + block - 1) // block
+    n_full = jnp.minimum((q_pos0 + 1) // block, n)  # blocks wholly before every query: no mask needed
+    carry = lax.fori_loop(0, n_full, lambda b, c: body(b, c, False), init)
+    _, den, acc = lax.fori_loop(n_full, n, lambda b, c: body(b, c, True), carry)
     return jnp.transpose(_finish(den, acc).reshape(kvh, g, bq, d), (2, 0, 1, 3))  # [Bq, kvh, g, d]
 
 
