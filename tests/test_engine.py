@@ -143,3 +143,11 @@ def test_step_stats_describe_the_step_and_the_budget_can_change(tiny_llm):
             engine.set_step_budget(10**6)
     finally:
         engine.set_step_budget(TINY_ENGINE_ARGS["max_num_batched_tokens"], TINY_ENGINE_ARGS["chunk_size"])
+
+
+def test_warmup_work_touches_only_the_trash_page():
+    """Warm-up runs small buckets with real work; all of its KV lands in page 0, never in a page a request gets."""
+    llm = LLM(model="tiny", **{**TINY_ENGINE_ARGS, "chunk_size": 32, "max_num_batched_tokens": 32})
+    k, v = (np.asarray(x) for x in llm.engine.runner.kv_caches[0])
+    assert np.abs(k[0]).sum() > 0 and np.abs(v[0]).sum() > 0
+    assert not k[1:].any() and not v[1:].any()
