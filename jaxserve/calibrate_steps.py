@@ -28,13 +28,13 @@ class StepSample:
 
 
 @contextmanager
-def step_budget(engine, budget: int) -> Iterator[None]:
-    """Run with the step budget and the per-request chunk both `budget` tokens (capped at the largest bucket),
-    then restore the engine's own."""
+def step_budget(engine, budget: int, chunk: int | None = None) -> Iterator[None]:
+    """Run with step budget `budget` tokens (capped at the largest bucket) and per-request prefill chunk
+    `chunk` (default: the budget), then restore the engine's own."""
     sc = engine.scheduler.config
     old = (sc.max_num_batched_tokens, sc.chunk_size)
     budget = min(budget, engine.runner.token_buckets[-1])
-    engine.set_step_budget(budget, budget)
+    engine.set_step_budget(budget, min(chunk or budget, budget))
     try:
         yield
     finally:

@@ -65,6 +65,9 @@ class EngineConfig:
             raise ValueError("num_processes > 1 needs coordinator_address (HOST:PORT of process 0)")
         if self.num_processes > 1 and self.disaggregate:
             raise ValueError("disaggregated serving runs in one process; it cannot be combined with num_processes > 1")
+        if self.token_buckets and max(self.token_buckets) < self.max_num_batched_tokens:
+            raise ValueError(f"the largest token bucket ({max(self.token_buckets)}) must hold a whole step "
+                             f"(max_num_batched_tokens={self.max_num_batched_tokens})")
         if self.scheduling_policy not in ("fcfs", "lpm"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}")
 

@@ -1,10 +1,11 @@
 """The report's chunked-prefill part: decodes running while a long prompt arrives, with and without chunking.
 
 The planner picks the chunk (`choose_chunk_size`) for an ITL target of 2x its predicted undisturbed TPOT; the
-runtime runs the `long-prompt` workload with that step budget, then with a budget that takes the whole prompt
-in one step. Each gap between two tokens of a running decode is attributed to the engine step that produced
-the later token: gaps of steps without prefill give the undisturbed TPOT, all gaps give p99 and max ITL.
-The prediction builds the same gap list from `chunked_prefill_itls` (page-aligned chunks, as the runtime cuts).
+runtime runs the `long-prompt` workload with the long prompt cut into chunks that fit that step budget beside
+the decodes, then with one chunk that takes the whole prompt in one step. Each gap between two tokens of a
+running decode is attributed to the engine step that produced the later token: gaps of steps without prefill
+give the undisturbed TPOT, all gaps give p99 and max ITL. The prediction builds the same gap list from
+`chunked_prefill_itls` (page-aligned chunks, as the runtime cuts).
 """
 
 from __future__ import annotations
@@ -65,13 +66,15 @@ def run_chunked(ctx) -> list[dict[str, Any]]:
     fitting = [b for b in engine.runner.token_buckets if b <= choice.chunk_size and b - d >= page]
     per_step = max(page, ((max(fitting) if fitting else choice.chunk_size) - d) // page * page)
     rows = []
+    # The budget limits the chunk alone: the decodes' own prompts prefill side by side at the start, so all
+    # `d` decode in step before the long prompt lands, and it alone is cut into `prefill`-token chunks.
     for label, budget, prefill in (("chunked", per_step + d, per_step), ("unchunked", cfg.budget, length)):
         stalls = [t * 1e3 for t in chunked_prefill_itls(ctx.spec, ctx.hw, length, prefill + d, **kw)]
         out_len = WARM_TOKENS + math.ceil(length / prefill) + cfg.long_tail_tokens
         reqs = generate(DatasetConfig(name="long-prompt", num_prompts=d + 1, input_len=cfg.long_decode_input,
                                       output_len=out_len, long_prompt_len=length, warm_tokens=WARM_TOKENS,
                                       seed=cfg.seed + budget), ctx.spec.vocab_size, ())
-        with step_budget(engine, budget):
+        with step_budget(engine, cfg.budget, chunk=prefill):
             run = run_engine(engine, reqs, LoadConfig(), salt=ctx.next_salt())
         gaps, quiet = decode_gaps(run, d)
         pred_gaps = _predicted_gaps(undisturbed, stalls, out_len - 1) * d  # pooled over the decodes, as measured

@@ -38,10 +38,10 @@ def write_markdown(report: dict[str, Any], path: str | Path) -> None:
     cp = s.get("chunked_prefill")
     if cp:
         lines += [f"Chunked prefill (planner chunk: step budget {cp['chunk_step_budget']}): p99 ITL / undisturbed "
-                  f"TPOT measured {cp['measured_p99_over_undisturbed']:.2f}x (predicted "
-                  f"{cp['predicted_p99_over_undisturbed']:.2f}x, target <= 2x: {s['met']['chunked_p99']}); "
-                  f"unchunked stall {cp['measured_unchunked_max_over_undisturbed']:.1f}x (predicted "
-                  f"{cp['predicted_unchunked_max_over_undisturbed']:.1f}x, target >= 5x: {s['met']['unchunked_stall']})"
+                  f"TPOT measured {_f(cp['measured_p99_over_undisturbed'], '.2f')}x (predicted "
+                  f"{_f(cp['predicted_p99_over_undisturbed'], '.2f')}x, target <= 2x: {s['met']['chunked_p99']}); "
+                  f"unchunked stall {_f(cp['measured_unchunked_max_over_undisturbed'])}x (predicted "
+                  f"{_f(cp['predicted_unchunked_max_over_undisturbed'])}x, target >= 5x: {s['met']['unchunked_stall']})"
                   f"; predictions within 20%: {s['met']['chunked_prediction']}.", ""]
     lines += ["## Static grid", "", "| batch | context | TTFT pred | TTFT meas | err | TPOT pred | TPOT meas | err "
               "| tok/s pred | tok/s meas | err |", "|---|---|---|---|---|---|---|---|---|---|---|"]

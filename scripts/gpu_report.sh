@@ -5,18 +5,25 @@
 #
 # Runs from a checkout with no install and no network (PYTHONPATH=.): needs jax (with CUDA), flax, numpy,
 # click and jinja2; matplotlib is optional (without it, no report.png). Everything lands in OUT_DIR:
-# env.txt (devices, versions), profile.json (calibrated hardware profile), report.json/.md/.png, run.log.
+# env.txt (devices, versions), profile_step.txt (where a batch-1 decode step's time goes, with a small and a
+# large KV pool), profile.json (calibrated hardware profile), report.json/.md/.png, run.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-reports/gpu-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
 export PYTHONPATH=.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # let the engine's KV budget, not XLA's arena, size memory
+PY=$(command -v python3 || command -v python)  # CUDA images often have python3 only
 
-{ date; nvidia-smi 2>/dev/null || true; python -c "import jax, flax; print('jax', jax.__version__, 'flax',
+{ date; nvidia-smi 2>/dev/null || true; "$PY" -c "import jax, flax; print('jax', jax.__version__, 'flax',
 flax.__version__); print(jax.devices())"; } > "$OUT/env.txt" 2>&1 || true
 
-timeout 460 python - "$OUT" <<'PY' 2>&1 | tee "$OUT/run.log"
+for gib in 1 24; do
+  timeout 100 "$PY" scripts/profile_step.py --model synthetic-1b --dtype bfloat16 --batch 1 --steps 100 \
+    --kv-cache-gib "$gib" 2>&1 | grep -v "^WARNING" | tee -a "$OUT/profile_step.txt" || true
+done
+
+timeout 360 "$PY" - "$OUT" <<'PY' 2>&1 | tee "$OUT/run.log"
 import importlib.util
 import sys
 import time

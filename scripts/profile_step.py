@@ -2,9 +2,9 @@
 
     python scripts/profile_step.py --model small --batch 1
 
-Runs `--batch` requests of 128-token prompts to steady decode, then times `--steps` engine steps: the wait
-for the device (forward + sampler) and the rest (scheduling, batch layout, dispatch, stop checks), and then the
-jitted forward and the jitted sampler alone on the same inputs.
+Runs `--batch` requests of `--prompt-len`-token prompts (default 128) to steady decode, then times `--steps`
+engine steps: the wait for the device (forward + sampler) and the rest (scheduling, batch layout, dispatch, stop
+checks), and then the jitted forward and the jitted sampler alone on the same inputs.
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ def main() -> None:
     ap.add_argument("--model", default="small")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--kv-cache-gib", type=float, default=None,
+                    help="KV pool size; a step's time must not grow with it (the pool is donated, not copied)")
     args = ap.parse_args()
 
     from jaxserve.engine import LLMEngine
@@ -28,11 +32,14 @@ def main() -> None:
     from jaxserve.sampler import SamplingArrays
     from jaxserve.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=max(16, args.batch)))
+    kv = None if args.kv_cache_gib is None else int(args.kv_cache_gib * 2**30)
+    # No warm-up: the ten untimed steps below compile the only two buckets this run uses.
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=max(16, args.batch),
+                                    kv_cache_memory=kv, warmup=False))
     runner = engine.runner
     params = SamplingParams(temperature=0, max_tokens=2048, ignore_eos=True)
     for i in range(args.batch):
-        engine.add_request(f"p{i}", list(range(i, i + 128)), params)
+        engine.add_request(f"p{i}", [(i + j) % 1000 + 1 for j in range(args.prompt_len)], params)
     for _ in range(10):
         engine.step()
     waits: list[float] = []
@@ -55,12 +62,12 @@ def main() -> None:
     sampling = SamplingArrays.build([(params, 0, 0)] * batch.num_seqs, runner.sampling_bucket(batch.num_seqs))
     from jaxserve.model_runner import bucket_for
 
-    tok, pos, meta, idx = runner._device_inputs(batch, bucket_for(batch.num_tokens, runner.token_buckets))
+    packed = runner._device_inputs(batch, bucket_for(batch.num_tokens, runner.token_buckets))
     rows = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed, sampling.step,
             np.bool_(False))
 
     def forward():
-        hidden, runner.kv_caches = runner._forward(runner.params, runner.kv_caches, tok, pos, meta, idx)
+        hidden, runner.kv_caches = runner._forward(runner.param_leaves, runner.kv_caches, packed)
         return hidden
 
     hidden = jax.block_until_ready(forward())
@@ -70,10 +77,13 @@ def main() -> None:
     fwd = (time.perf_counter() - t) / args.steps
     t = time.perf_counter()
     for _ in range(args.steps):
-        jax.block_until_ready(runner._sample(runner.params, hidden, *rows))
+        jax.block_until_ready(runner._sample(runner.param_leaves, hidden, *rows))
     smp = (time.perf_counter() - t) / args.steps
     wait = float(np.mean(waits))
-    print(f"{args.model}, {args.batch} decoding: step {step * 1e3:.1f} ms = device wait {wait * 1e3:.1f} ms + "
+    pool_gib = sum(a.nbytes for a in jax.tree.leaves(runner.kv_caches)) / 2**30
+    dtype = jax.tree.leaves(runner.kv_caches)[0].dtype
+    print(f"{args.model} ({dtype}, KV pool {pool_gib:.2f} GiB), {args.batch} decoding: "
+          f"step {step * 1e3:.1f} ms = device wait {wait * 1e3:.1f} ms + "
           f"host {(step - wait) * 1e3:.1f} ms; alone: forward {fwd * 1e3:.1f} ms, logits+sampling {smp * 1e3:.1f} ms")
 
 

@@ -2,6 +2,7 @@
 
 import pytest
 
+from jaxserve.engine_config import EngineConfig
 from jaxserve.model_runner import bucket_for, default_token_ladder, half_octave_ladder, power_of_two_ladder
 
 
@@ -29,3 +30,9 @@ def test_bucket_for_rejects_a_step_past_the_ladder():
     assert bucket_for(300, default_token_ladder(512)) == 320
     with pytest.raises(ValueError, match="exceeds the largest bucket 512"):
         bucket_for(513, default_token_ladder(512))
+
+
+def test_an_explicit_ladder_must_hold_a_whole_step() -> None:
+    with pytest.raises(ValueError, match=r"largest token bucket \(272\) must hold a whole step"):
+        EngineConfig(model="tiny", max_num_batched_tokens=320, token_buckets=(32, 128, 272))
+    assert EngineConfig(model="tiny", max_num_batched_tokens=320, token_buckets=(32, 320)).token_buckets == (32, 320)
