@@ -50,6 +50,11 @@ class CalibrationConfig:
     mixed_decodes: int = 4
     mixed_prompt_len: int = 1024
     mixed_chunk: int = 256  # step token budget while the long prompt is chunked (page multiple)
+    # Then a one-page chunk at a time over a longer prompt: what a small chunk over a long history costs
+    # beyond its FLOPs (the `attn_m_half` coefficient); every k-th of its steps, `mixed_small_samples` in all.
+    mixed_small_chunk: int = 16
+    mixed_small_prompt_len: int = 2048
+    mixed_small_samples: int = 8
     gemm_rows: tuple[int, ...] = (1, 4, 16, 64, 256, 1024)
     bandwidth_bytes: int = 256 * 2**20
     matmul_n: int = 1024
@@ -58,7 +63,8 @@ class CalibrationConfig:
     @classmethod
     def quick(cls) -> CalibrationConfig:
         return cls(prefill_lens=(16, 32), decode_batches=(1, 4), decode_contexts=(16, 64), decode_steps=3,
-                   mixed_decodes=2, mixed_prompt_len=96, mixed_chunk=32, gemm_rows=(1, 16, 64),
+                   mixed_decodes=2, mixed_prompt_len=96, mixed_chunk=32, mixed_small_prompt_len=64,
+                   mixed_small_samples=2, gemm_rows=(1, 16, 64),
                    bandwidth_bytes=16 * 2**20, matmul_n=256, repeats=1)
 
 
@@ -222,8 +228,16 @@ def calibrate(engine, cfg: CalibrationConfig | None = None, progress: Progress |
         samples += measure_decode(engine, ids, b, c, cfg.decode_steps)
     say("engine mixed steps (chunked prefill beside decodes)", 0.8)
     prompt = min(cfg.mixed_prompt_len, engine.max_model_len - 1)
+    decodes = min(cfg.mixed_decodes, engine.config.max_num_seqs - 1)
     with step_budget(engine, cfg.mixed_chunk):
-        samples += measure_mixed(engine, ids, min(cfg.mixed_decodes, engine.config.max_num_seqs - 1), prompt)
+        samples += measure_mixed(engine, ids, decodes, prompt)
+    if cfg.mixed_small_chunk:
+        say("engine mixed steps: a one-page chunk over a long prompt", 0.88)
+        prompt = min(cfg.mixed_small_prompt_len, engine.max_model_len - 1)
+        with step_budget(engine, engine.config.max_num_batched_tokens, chunk=cfg.mixed_small_chunk):
+            small = measure_mixed(engine, ids, decodes, prompt)
+        every = max(1, len(small) // cfg.mixed_small_samples)
+        samples += small[every - 1::every]  # ends at (or near) the longest history
     say("fitting", 0.95)
     # With one model the weight term barely varies between steps, so it is measured: one row through every
     # layer's widest weight (more bytes than a cache holds); its bandwidth over the stream's is weight_bw_eff.

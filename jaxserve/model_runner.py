@@ -27,10 +27,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.batch import RaggedBatch
 from jaxserve.model.metadata import AttentionMetadata
+from jaxserve.model.paged_attention import DEFAULT_SMALL_Q_BLOCK
 from jaxserve.parallel import AXIS, fit_spec, params_shardings, put_global, replicated
 from jaxserve.sampler import SamplingArrays, sample_tokens
 
 WARM_REAL_TOKENS = 512  # warm-up runs buckets up to this size once with real work
+WARM_HISTORY = 544  # ...after this many tokens of (trash) history: past a 512-token decode block, 256-token KV blocks
 
 
 def power_of_two_ladder(limit: int, start: int = 1) -> tuple[int, ...]:
@@ -274,7 +276,8 @@ class ModelRunner:
             if t > WARM_REAL_TOKENS:
                 continue
             warm_rows, self.kv_caches = self._forward(self.param_leaves, self.kv_caches,
-                                                      self._device_inputs(_trash_prefill(t, self.page_size), t))
+                                                      self._device_inputs(
+                _trash_prefill(t, self.page_size, self.max_num_seqs, self.pages_per_seq * self.page_size), t))
             jax.block_until_ready(warm_rows)
         for s in self.seq_buckets:
             a = SamplingArrays.build([], s)
@@ -299,14 +302,29 @@ class ModelRunner:
         return sum(f._cache_size() for f in (self._forward, self._sample, self._gather, self._insert))
 
 
-def _trash_prefill(num_tokens: int, page_size: int) -> RaggedBatch:
-    """One sequence prefilling `num_tokens` tokens whose KV all lives in the trash page 0 (warm-up work)."""
-    return RaggedBatch(requests=[None], num_decodes=0, token_ids=np.zeros(num_tokens, np.int32),  # type: ignore[list-item]
-                       positions=np.arange(num_tokens, dtype=np.int32),
-                       cu_q_lens=np.array([0, num_tokens], np.int32), kv_lens=np.array([num_tokens], np.int32),
-                       page_table=np.zeros((1, 1), np.int32),
+def _trash_prefill(num_tokens: int, page_size: int, max_seqs: int = 1, max_len: int = 0) -> RaggedBatch:
+    """Warm-up work whose KV all lives in the trash page 0.
+
+    One decode, one small-block prefill chunk and one prefill of the rest (as many of the three as
+    `max_seqs` and `num_tokens` allow), all after a history of up to WARM_HISTORY tokens that fits in `max_len`:
+    every loop of the bucket's attention runs once (decode blocks, small and large query blocks, masked and
+    unmasked KV blocks). A loop's first run costs up to ~100 ms on CPU, which would otherwise land on a request.
+    """
+    history = max(0, min(WARM_HISTORY, max_len - num_tokens))
+    q_lens = [num_tokens]
+    for first in (1, DEFAULT_SMALL_Q_BLOCK):
+        if len(q_lens) < max_seqs and q_lens[-1] > first:
+            q_lens[-1:] = [first, q_lens[-1] - first]
+    decodes = int(len(q_lens) > 1)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    positions = np.concatenate([history + np.arange(q) for q in q_lens]).astype(np.int32)
+    n = len(q_lens)
+    return RaggedBatch(requests=[None] * n, num_decodes=decodes,  # type: ignore[list-item]
+                       token_ids=np.zeros(num_tokens, np.int32), positions=positions, cu_q_lens=cu,
+                       kv_lens=np.array([history + q for q in q_lens], np.int32),
+                       page_table=np.zeros((n, 1), np.int32),
                        slot_mapping=np.arange(num_tokens, dtype=np.int32) % page_size,
-                       logits_indices=np.array([num_tokens - 1], np.int32), samples=np.ones(1, bool))
+                       logits_indices=cu[1:] - 1, samples=np.ones(n, bool))
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

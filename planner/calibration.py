@@ -2,14 +2,17 @@
 
 The additive step model is linear in the inverse efficiencies and the overheads:
 
-    t = compute0 / compute_eff + attn0 / (compute_eff * attn_eff_scale) + weights0 / weight_bw_eff
+    t = compute0 / compute_eff + (attn0 + attn_m_half * pass0) / (compute_eff * attn_eff_scale)
+        + weights0 / weight_bw_eff
         + kv0 / kv_bw_eff + comm_bw0 / comm_eff + comm_latency
         + step_overhead + S * seq_overhead + prefill_tokens * prefill_token_overhead
 
-where `compute0` (GEMMs), `attn0` (attention FLOPs), `weights0`, `kv0`, `comm_bw0` are the model's terms at
-efficiency 1 (`unit_terms`). Attention has its own efficiency: on a CPU the jnp paged attention runs far
-below the GEMMs, and sharing one efficiency made the fit trade long-context (chunked) steps against short
-prefills, over-predicting the latter by ~20%. A
+where `compute0` (GEMMs), `attn0` (attention FLOPs), `pass0` (one query row over each prefill chunk's KV),
+`weights0`, `kv0`, `comm_bw0` are the model's terms at efficiency 1 (`unit_terms`). Attention has its own
+efficiency: on a CPU the jnp paged attention runs far below the GEMMs, and sharing one efficiency made the fit
+trade long-context (chunked) steps against short prefills, over-predicting the latter by ~20%. Its per-pass
+term prices what a small chunk over a long history costs beyond its FLOPs (a 16-row chunk over 4k keys ran
+at about half the FLOP rate of a 128-row one on CPU; on a GPU each KV block is a few kernel launches). A
 non-negative least-squares fit on relative error (each row divided by its measured time) gives them; the
 GEMM half-efficiency size `gemm_m_half` is chosen from a grid. Terms the samples cannot separate keep the
 prior. The per-layer overhead folds into the per-step one (one model has one layer count), and
@@ -28,10 +31,10 @@ import numpy as np
 
 from planner.hardware import Coefficients, Hardware
 from planner.model_spec import ModelSpec
-from planner.step_model import StepShape, _collective_s, op_costs, step_time_shape
+from planner.step_model import ATTENTION_PASS, StepShape, _collective_s, op_costs, step_time_shape
 
 M_HALF_GRID = (0.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
-_COLUMNS = ("compute", "attn", "weights", "kv", "comm_bw", "step", "seq", "prefill_token")
+_COLUMNS = ("compute", "attn", "attn_pass", "weights", "kv", "comm_bw", "step", "seq", "prefill_token")
 _EFF_COLUMNS = ("compute", "attn", "weights", "kv", "comm_bw")
 
 
@@ -53,7 +56,8 @@ def unit_terms(spec: ModelSpec, hw: Hardware, shape: StepShape, *, tp: int = 1, 
         n = op.count
         if op.flops:
             g = op.gemm_rows / (op.gemm_rows + gemm_m_half) if op.gemm_rows else 1.0
-            out["attn" if op.name == "attention" else "compute"] += op.flops * n / (peak * g)
+            col = {"attention": "attn", ATTENTION_PASS: "attn_pass"}.get(op.name, "compute")
+            out[col] += op.flops * n / (peak * g)
         out["weights"] += (op.weight_bytes + op.act_bytes) * n / hw.memory_bw
         out["kv"] += op.kv_bytes * n / hw.memory_bw
         for _ in range(op.collectives):
@@ -129,8 +133,11 @@ def fit_coefficients(spec: ModelSpec, hw: Hardware, samples: Sequence[Sample], *
 
         compute_eff = inv("compute", prior.compute_eff)
         attn_eff = inv("attn", compute_eff * prior.attn_eff_scale)
+        # A pass costs attn_m_half query rows at attention's rate: the ratio of the two fitted inverse rates.
+        attn_m_half = c["attn_pass"] * attn_eff if "attn_pass" in present and "attn" in present else prior.attn_m_half
         fitted = dataclasses.replace(
             prior, compute_eff=compute_eff, gemm_m_half=m_half, attn_eff_scale=attn_eff / compute_eff,
+            attn_m_half=attn_m_half,
             weight_bw_eff=inv("weights", prior.weight_bw_eff), kv_bw_eff=inv("kv", prior.kv_bw_eff),
             comm_eff=inv("comm_bw", prior.comm_eff), step_overhead_s=c["step"], layer_overhead_s=0.0,
             seq_overhead_s=c["seq"], prefill_token_overhead_s=c["prefill_token"])

@@ -40,6 +40,7 @@ class Coefficients:
     seq_overhead_s: float = 4e-6  # per sequence in the step: metadata, sampling, detokenize
     prefill_token_overhead_s: float = 0.0  # per prefill token (host-side work that scales with tokens)
     attn_eff_scale: float = 1.0  # attention FLOP efficiency relative to compute_eff (1: the GEMMs')
+    attn_m_half: float = 0.0  # query rows one prefill chunk's pass over its KV costs beyond its own rows
 
     def to_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
@@ -57,6 +58,9 @@ COEFFICIENT_DOCS: dict[str, str] = {
     "prefill_token_overhead_s": "seconds per prefill token not explained by FLOPs or bytes",
     "attn_eff_scale": "attention FLOP efficiency as a fraction of compute_eff (a jnp attention on CPU runs far "
                       "below its GEMMs; 1 = the same)",
+    "attn_m_half": "extra query rows each prefill chunk's pass over its KV costs (per-block loads and loop "
+                   "overhead): a chunk of c rows over kv keys costs (c + attn_m_half) x kv pairs; small chunks "
+                   "over long histories are far below the FLOP rate",
 }
 
 

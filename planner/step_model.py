@@ -23,6 +23,10 @@ from planner.hardware import Coefficients, Hardware
 from planner.memory import dtype_bytes, kv_heads_per_device
 from planner.model_spec import ModelSpec
 
+# The per-pass part of prefill attention: FLOPs of one query row over each chunk's KV, which `time_ops` scales
+# by the `attn_m_half` coefficient (0 for every catalog device; `jaxserve calibrate` fits it).
+ATTENTION_PASS = "attention_pass"
+
 
 @dataclass(frozen=True)
 class StepShape:
@@ -34,6 +38,7 @@ class StepShape:
     attn_pairs: float = 0.0  # query x key pairs under the causal mask, summed over sequences
     kv_read_tokens: float = 0.0  # KV entries read by attention (context incl. the new tokens)
     decode_context: float = 0.0  # sum of decode context lengths (for reporting)
+    prefill_kv: float = 0.0  # KV length each prefill chunk's query rows read, summed over chunks
 
     @property
     def num_tokens(self) -> int:
@@ -48,7 +53,7 @@ class StepShape:
 
     def _t(self) -> tuple[float, ...]:
         return (self.num_decode, self.num_prefill, self.prefill_tokens, self.attn_pairs, self.kv_read_tokens,
-                self.decode_context)
+                self.decode_context, self.prefill_kv)
 
 
 def decode_shape(batch: int, context_len: float) -> StepShape:
@@ -62,7 +67,8 @@ def prefill_shape(chunk_len: int, computed: float = 0) -> StepShape:
     if chunk_len <= 0:
         return StepShape()
     return StepShape(num_prefill=1, prefill_tokens=chunk_len,
-                     attn_pairs=chunk_len * (computed + (chunk_len + 1) / 2), kv_read_tokens=computed + chunk_len)
+                     attn_pairs=chunk_len * (computed + (chunk_len + 1) / 2), kv_read_tokens=computed + chunk_len,
+                     prefill_kv=computed + chunk_len)
 
 
 def batch_shape(decode_context_lens: Iterable[int] = (), prefill_chunks: Iterable[tuple[int, int]] = ()) -> StepShape:
@@ -137,6 +143,7 @@ def op_costs(spec: ModelSpec, shape: StepShape, *, tp: int = 1, dtype: str = "bf
         ops.append(OpCost("attention", flops=nh * (2 * (kvr + rope) + 2 * kvr) * shape.attn_pairs,
                           kv_bytes=(shape.kv_read_tokens + T) * kv_tok, act_bytes=T * nh * (kvr + rope + kvr) * ba,
                           count=L))
+        ops.append(OpCost(ATTENTION_PASS, flops=nh * (2 * (kvr + rope) + 2 * kvr) * shape.prefill_kv, count=L))
         o_w = nh * vd * h
     else:
         hd, nkv = spec.head_dim, kv_heads_per_device(spec, tp)
@@ -146,6 +153,7 @@ def op_costs(spec: ModelSpec, shape: StepShape, *, tp: int = 1, dtype: str = "bf
         kv_tok = 2 * nkv * hd * bkv
         ops.append(OpCost("attention", flops=4 * nh * hd * shape.attn_pairs,
                           kv_bytes=(shape.kv_read_tokens + T) * kv_tok, act_bytes=T * 2 * nh * hd * ba, count=L))
+        ops.append(OpCost(ATTENTION_PASS, flops=4 * nh * hd * shape.prefill_kv, count=L))
         o_w = nh * hd * h
     ops.append(OpCost("o_proj", flops=2 * T * o_w, weight_bytes=o_w * bw, act_bytes=T * (o_w / h + h) * ba,
                       count=L, gemm_rows=T))
@@ -233,6 +241,9 @@ def time_ops(ops: Sequence[OpCost], spec: ModelSpec, shape: StepShape, hw: Hardw
     flops = nbytes = 0.0
     for op in ops:
         n = op.count
+        if op.name == ATTENTION_PASS:  # overhead priced as attn_m_half extra query rows, not real FLOPs
+            compute += op.flops * n * c.attn_m_half / (peak * c.compute_eff * c.attn_eff_scale)
+            continue
         flops += op.flops * n
         nbytes += (op.weight_bytes + op.kv_bytes + op.act_bytes) * n
         if op.flops:

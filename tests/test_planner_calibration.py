@@ -65,3 +65,27 @@ def test_fit_separates_slow_attention_from_the_gemms():
     for q in (128, 512):
         assert step_time_shape(SMALL, hw, prefill_shape(q), dtype="fp32").total_s == pytest.approx(
             step_time_shape(SMALL, measured_hw, prefill_shape(q), dtype="fp32").total_s, rel=0.05)
+
+
+def test_fit_prices_a_small_chunk_over_a_long_history():
+    """One page of prefill over a 4k history costs far more than its FLOPs (a pass over the KV per chunk):
+    the fit learns `attn_m_half` from one-page chunks, and the chunk's cost at a new history follows."""
+    truth = Coefficients(compute_eff=0.6, gemm_m_half=8.0, weight_bw_eff=0.9, kv_bw_eff=0.2,
+                         step_overhead_s=0.003, layer_overhead_s=0.0, seq_overhead_s=4e-4, attn_eff_scale=0.3,
+                         attn_m_half=40.0)
+    cpu = CATALOG["cpu"]
+    measured_hw = dataclasses.replace(cpu, coefficients=truth)
+    small_chunks = [decode_shape(4, 200 + 8 * k) + prefill_shape(16, 256 * k) for k in range(1, 9)]
+    samples = [Sample(s, step_time_shape(SMALL, measured_hw, s, dtype="fp32").total_s)
+               for s in shapes() + small_chunks]
+    fitted, err = fit_coefficients(SMALL, cpu, samples, dtype="fp32", fixed={"weight_bw_eff": 0.9})
+    assert err < 0.01
+    assert fitted.attn_m_half == pytest.approx(40.0, rel=0.1)
+    hw = dataclasses.replace(cpu, coefficients=fitted)
+    late = decode_shape(4, 300) + prefill_shape(16, 4080)
+    assert step_time_shape(SMALL, hw, late, dtype="fp32").total_s == pytest.approx(
+        step_time_shape(SMALL, measured_hw, late, dtype="fp32").total_s, rel=0.02)
+    # The term matters: priced by its FLOPs alone, the late chunk would come out far too cheap.
+    flops_only = dataclasses.replace(cpu, coefficients=dataclasses.replace(fitted, attn_m_half=0.0))
+    assert step_time_shape(SMALL, flops_only, late, dtype="fp32").total_s < 0.8 * step_time_shape(
+        SMALL, measured_hw, late, dtype="fp32").total_s
