@@ -267,18 +267,16 @@ class ModelRunner:
                             slot_mapping=np.zeros(0, np.int32), logits_indices=np.zeros(0, np.int32),
                             samples=np.zeros(0, bool))
         hidden_rows = None
+        max_len = self.pages_per_seq * self.page_size
         for t in self.token_buckets:
+            # Small buckets run real work once: the first execution that runs a bucket's loops costs more (its
+            # buffers, its threads), ~100 ms for a 320-token prefill on CPU, which would land on the first
+            # request. Past WARM_REAL_TOKENS that penalty is small beside the step itself and the work would slow
+            # start-up, so those buckets only compile (on an empty batch).
+            batch = _trash_prefill(t, self.page_size, self.max_num_seqs, max_len) if t <= WARM_REAL_TOKENS else empty
             hidden_rows, self.kv_caches = self._forward(self.param_leaves, self.kv_caches,
-                                                        self._device_inputs(empty, t))
-            # Then once with real work: the first execution that runs a bucket's loops costs more (its buffers,
-            # its threads), ~100 ms for a 320-token prefill on CPU, which would land on the first request. Past
-            # WARM_REAL_TOKENS that penalty is small beside the step itself and the work would slow start-up.
-            if t > WARM_REAL_TOKENS:
-                continue
-            warm_rows, self.kv_caches = self._forward(self.param_leaves, self.kv_caches,
-                                                      self._device_inputs(
-                _trash_prefill(t, self.page_size, self.max_num_seqs, self.pages_per_seq * self.page_size), t))
-            jax.block_until_ready(warm_rows)
+                                                        self._device_inputs(batch, t))
+            jax.block_until_ready(hidden_rows)
         for s in self.seq_buckets:
             a = SamplingArrays.build([], s)
             rows = self._put((a.temperature, a.top_k, a.top_p, a.min_p, a.seed, a.step, np.bool_(True)))

@@ -33,14 +33,17 @@ def main() -> None:
     from jaxserve.sampling_params import SamplingParams
 
     kv = None if args.kv_cache_gib is None else int(args.kv_cache_gib * 2**30)
-    # No warm-up: the ten untimed steps below compile the only two buckets this run uses.
+    # No warm-up: the untimed steps below compile the only buckets this run uses (prefill, decode).
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=max(16, args.batch),
                                     kv_cache_memory=kv, warmup=False))
     runner = engine.runner
     params = SamplingParams(temperature=0, max_tokens=2048, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(f"p{i}", [(i + j) % 1000 + 1 for j in range(args.prompt_len)], params)
-    for _ in range(10):
+    engine.step()
+    while engine.last_step.num_prefill_tokens:  # prefill done: every timed step is a decode step
+        engine.step()
+    for _ in range(3):
         engine.step()
     waits: list[float] = []
     collect = runner.collect
