@@ -2,6 +2,12 @@
 
 `LLMEngine.step()` is the whole serving loop body; `LLM` drives it to completion for a batch of prompts and
 `AsyncEngine` drives it from a background thread for streaming clients.
+
+With `async_scheduling` the host runs one step ahead of the device (vLLM's async scheduling, SGLang's overlap
+scheduler): each `step()` schedules and dispatches step k, whose decodes read step k-1's tokens on the device
+through placeholders, and only then waits for step k-1 and turns its tokens into outputs. Scheduling, batch
+layout and stop checks overlap the device instead of adding to every step. A request that stops at step k-1 has
+computed one wasted token in step k, which is dropped.
 """
 
 from __future__ import annotations
@@ -10,9 +16,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from jaxserve.batch import RaggedBatch
 from jaxserve.engine_config import EngineConfig
 from jaxserve.kv_cache_manager import KVCacheManager
 from jaxserve.model_builder import build_model_and_cache
@@ -34,6 +42,16 @@ def context_length_error(max_model_len: int, prompt_len: int, max_tokens: int) -
     return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the completion). "
             "Please reduce the length of the messages or completion.")
+
+
+@dataclass
+class _Flight:
+    """A dispatched step not yet collected (asynchronous scheduling)."""
+
+    batch: RaggedBatch
+    sampling: SamplingArrays
+    pending: Any
+    placeholders: list[tuple[Request, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -76,6 +94,7 @@ class LLMEngine:
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_preemptions": 0,
                          "prefix_cache_queries": 0, "prefix_cache_hits": 0, "steps": 0}
         self.last_step: StepStats | None = None
+        self._flight: _Flight | None = None
         if config.warmup:
             self.runner.warmup()
 
@@ -135,6 +154,8 @@ class LLMEngine:
         req = tracked.request
         req.status = RequestStatus.FINISHED_ABORTED
         req.finish_time = self.clock()
+        if req.output_token_ids and req.output_token_ids[-1] < 0:  # the in-flight step's token: dropped
+            req.output_token_ids.pop()
         return self._output(tracked)
 
     def has_unfinished_requests(self) -> bool:
@@ -142,7 +163,12 @@ class LLMEngine:
 
     # The loop body -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; return an output for every request that drew a token or finished."""
+        """Run one scheduled batch; return an output for every request that drew a token or finished.
+
+        With asynchronous scheduling the outputs are those of the step dispatched by the previous call.
+        """
+        if self.config.async_scheduling:
+            return self._step_async()
         start = self.clock()
         batch = self.scheduler.schedule()
         if batch is None:
@@ -165,6 +191,43 @@ class LLMEngine:
                 log.exception("request %s failed", req.request_id)
                 outputs.append(self._fail(tracked, f"internal error: {type(e).__name__}: {e}"))
         self._record_step(batch, start, compiled)
+        return outputs
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Dispatch step k (its decodes read step k-1's tokens on the device), then collect step k-1."""
+        start = self.clock()
+        batch = self.scheduler.schedule()
+        flight = None
+        if batch is not None:
+            sampling = self._sampling_for(batch, self.runner)
+            compiles = self.runner.compile_count()
+            prev = self._flight.pending if self._flight is not None else None
+            flight = _Flight(batch, sampling, self.runner.dispatch(batch, sampling, prev))
+            compiled = self.runner.compile_count() > compiles
+        outputs = self._collect_flight(self._flight) if self._flight is not None else []
+        self._flight = flight
+        if flight is not None:
+            flight.placeholders = self.scheduler.advance_after_dispatch(batch)
+            self._record_step(batch, start, compiled)
+        return outputs
+
+    def _collect_flight(self, flight: _Flight) -> list[RequestOutput]:
+        """Wait for a dispatched step, write its tokens over their placeholders and post-process them."""
+        result = self.runner.collect(flight.pending, flight.batch, flight.sampling)
+        for req, index, s in flight.placeholders:
+            if not req.status.finished:  # an aborted request dropped its placeholder
+                req.output_token_ids[index] = int(result.tokens[s])
+        now = self.clock()
+        outputs = []
+        for req, _, s in flight.placeholders:
+            tracked = self._tracked.get(req.request_id)
+            if tracked is None or tracked.request is not req or req.status.finished:
+                continue  # aborted while in flight
+            try:
+                outputs.append(self._postprocess(tracked, result, s, now))
+            except Exception as e:  # one request's failure (e.g. detokenizing) must not stop the others
+                log.exception("request %s failed", req.request_id)
+                outputs.append(self._fail(tracked, f"internal error: {type(e).__name__}: {e}"))
         return outputs
 
     def _sampling_for(self, batch, runner: ModelRunner) -> SamplingArrays:

@@ -26,6 +26,8 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
+    # The host schedules step k+1 while step k runs (see engine.py); single-process colocated engines only.
+    async_scheduling: bool = False
     tensor_parallel_size: int = 1
     device_ids: tuple[int, ...] = field(default_factory=tuple)  # indices into jax.devices(); empty: the first tp
     # Disaggregated serving: a prefill pool on the first `prefill_devices` devices, a decode pool on the next
@@ -65,6 +67,9 @@ class EngineConfig:
             raise ValueError("num_processes > 1 needs coordinator_address (HOST:PORT of process 0)")
         if self.num_processes > 1 and self.disaggregate:
             raise ValueError("disaggregated serving runs in one process; it cannot be combined with num_processes > 1")
+        if self.async_scheduling and (self.disaggregate or self.num_processes > 1):
+            raise ValueError("async_scheduling needs a colocated engine in one process "
+                             "(not with disaggregate or num_processes > 1)")
         if self.token_buckets and max(self.token_buckets) < self.max_num_batched_tokens:
             raise ValueError(f"the largest token bucket ({max(self.token_buckets)}) must hold a whole step "
                              f"(max_num_batched_tokens={self.max_num_batched_tokens})")

@@ -105,6 +105,10 @@ class ModelRunner:
         self.token_buckets = token_buckets
         self.seq_buckets = seq_buckets
         self.page_buckets = power_of_two_ladder(self.pages_per_seq)
+        # The sampler pads its tokens to this length so the next forward, which may read them on the device
+        # (asynchronous scheduling), has one input shape whatever the sequence bucket.
+        self.max_sampled = max(seq_buckets)
+        self._no_prev = np.zeros(self.max_sampled, np.int32)
         self.step_hook: Callable[[RaggedBatch, SamplingArrays], None] | None = None  # multi-host: announce steps
         sharding = kv_caches[0][0].sharding
         self.mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
@@ -118,8 +122,8 @@ class ModelRunner:
         rep = self._replicated = replicated(self.mesh)
         params_sh = jax.tree.leaves(params_shardings(self.params))
         kv_sh = jax.tree.map(lambda x: x.sharding, kv_caches)
-        self._forward = jax.jit(self._forward_impl, donate_argnums=(1,), in_shardings=(params_sh, kv_sh, rep),
-                                out_shardings=(rep, kv_sh))
+        self._forward = jax.jit(self._forward_impl, donate_argnums=(1,),
+                                in_shardings=(params_sh, kv_sh, rep, rep), out_shardings=(rep, kv_sh))
         self._sample = jax.jit(self._sample_impl, in_shardings=(params_sh, *(rep,) * 8), out_shardings=rep)
         # Transfers: the block's sharding follows from its head count (see `pages_sharding`); the pool keeps its own.
         self._gather = jax.jit(self._gather_impl, static_argnums=(2,))
@@ -132,8 +136,11 @@ class ModelRunner:
         return NamedSharding(self.mesh, fit_spec(P(None, None, None, None, AXIS, None), shape, self.mesh))
 
     # Jitted bodies -------------------------------------------------------------------------------------------
-    def _forward_impl(self, param_leaves, kv_caches, packed):
+    def _forward_impl(self, param_leaves, kv_caches, packed, prev_tokens):
         token_ids, positions, meta, logits_indices = self._unpack(packed)
+        # A token id -(s+1) stands for what sequence s of the previous step drew, still on the device.
+        token_ids = jnp.where(token_ids < 0, prev_tokens[jnp.clip(-token_ids - 1, 0, prev_tokens.shape[0] - 1)],
+                              token_ids)
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._param_tree, param_leaves))
         hidden, kv_caches = model(token_ids, positions, kv_caches, meta)
         return hidden[logits_indices], kv_caches
@@ -141,7 +148,8 @@ class ModelRunner:
     def _sample_impl(self, param_leaves, hidden_rows, temperature, top_k, top_p, min_p, seed, step, want_logprobs):
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._param_tree, param_leaves))
         logits = model.compute_logits(hidden_rows[: temperature.shape[0]])
-        return sample_tokens(logits, temperature, top_k, top_p, min_p, seed, step, want_logprobs)
+        tokens, *rest = sample_tokens(logits, temperature, top_k, top_p, min_p, seed, step, want_logprobs)
+        return (jnp.zeros(self.max_sampled, jnp.int32).at[: tokens.shape[0]].set(tokens), *rest)
 
     @staticmethod
     def _gather_impl(kv_caches, page_ids, stride: int):
@@ -201,15 +209,20 @@ class ModelRunner:
             return tree
         return jax.tree.map(lambda x: put_global(x, self._replicated), tree)
 
-    def dispatch(self, batch: RaggedBatch, sampling: SamplingArrays) -> Any:
-        """Enqueue the forward and the sampler for `batch`; returns device futures for `collect`."""
+    def dispatch(self, batch: RaggedBatch, sampling: SamplingArrays, prev: Any = None) -> Any:
+        """Enqueue the forward and the sampler for `batch`; returns device futures for `collect`.
+
+        `prev` is the previous `dispatch`'s futures when `batch` holds placeholder token ids (-(s+1): the token
+        sequence s of that step draws); the forward reads them on the device, so the host need not wait.
+        """
         if batch.num_seqs > self.max_num_seqs:
             raise ValueError(f"batch of {batch.num_seqs} sequences exceeds max_num_seqs={self.max_num_seqs}")
         if self.step_hook is not None:
             self.step_hook(batch, sampling)
         num_tokens = bucket_for(batch.num_tokens, self.token_buckets)
+        prev_tokens = self._put(self._no_prev) if prev is None else prev[0]
         hidden_rows, self.kv_caches = self._forward(self.param_leaves, self.kv_caches,
-                                                    self._device_inputs(batch, num_tokens))
+                                                    self._device_inputs(batch, num_tokens), prev_tokens)
         rows = self._put((sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed,
                           sampling.step, np.bool_(sampling.want_logprobs)))
         return self._sample(self.param_leaves, hidden_rows, *rows)
@@ -275,7 +288,7 @@ class ModelRunner:
             # start-up, so those buckets only compile (on an empty batch).
             batch = _trash_prefill(t, self.page_size, self.max_num_seqs, max_len) if t <= WARM_REAL_TOKENS else empty
             hidden_rows, self.kv_caches = self._forward(self.param_leaves, self.kv_caches,
-                                                        self._device_inputs(batch, t))
+                                                        self._device_inputs(batch, t), self._put(self._no_prev))
             jax.block_until_ready(hidden_rows)
         for s in self.seq_buckets:
             a = SamplingArrays.build([], s)

@@ -166,8 +166,8 @@ class Scheduler:
         for req in decoding + prefilling:
             if budget <= 0:
                 break
-            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
-                continue
+            if req.status != RequestStatus.RUNNING or self._out_of_length(req):  # preempted in this loop, or
+                continue  # (asynchronous scheduling) about to finish on the length its last draw reached
             n = self._num_new_tokens(req, budget)
             if n == 0:
                 continue
@@ -192,6 +192,9 @@ class Scheduler:
         decodes = [(r, n) for r, n in items if n == 1 and r.num_tokens_owed == 1]
         prefills = [(r, n) for r, n in items if not (n == 1 and r.num_tokens_owed == 1)]
         return build_ragged_batch(decodes + prefills, len(decodes), self.config.page_size)
+
+    def _out_of_length(self, req: Request) -> bool:
+        return len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.config.max_model_len
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         """Tokens `req` computes this step: all it owes, or a chunk ending on a page boundary.
@@ -284,6 +287,26 @@ class Scheduler:
                 sampled.append(req)
             self.kv.cache_full_pages(req)
         return sampled
+
+    def advance_after_dispatch(self, batch: RaggedBatch) -> list[tuple[Request, int, int]]:
+        """Record a dispatched step before its tokens are known (asynchronous scheduling).
+
+        Like `update_after_step`, but each drawing sequence s gets the placeholder token -(s+1), which the
+        next step's forward replaces on the device with what s drew. Returns (request, index into its
+        output_token_ids, s) for each placeholder; the engine writes the real tokens there once the step is
+        collected, before advancing the next step. A placeholder is always the last token, whose KV is not yet
+        computed, so no cached page ever holds one.
+        """
+        placeholders: list[tuple[Request, int, int]] = []
+        for s, req in enumerate(batch.requests):
+            if req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens = int(batch.kv_lens[s])
+            if batch.samples[s]:
+                placeholders.append((req, len(req.output_token_ids), s))
+                req.output_token_ids.append(-(s + 1))
+            self.kv.cache_full_pages(req)
+        return placeholders
 
     # ---- leaving ----------------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ at several concurrencies. HF runs `generate` with static batches (greedy, KV cac
 `LLM.generate` with the same prompts. Prints a table and writes JSON.
 
     python scripts/bench_vs_hf.py --out reports/bench_vs_hf.json
+    python scripts/bench_vs_hf.py --async-scheduling --out reports/bench_vs_hf_async.json
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--async-scheduling", action="store_true", help="jaxserve schedules one step ahead")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -60,7 +62,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     rng = np.random.default_rng(0)
     rows = []
-    llm = LLM(model=args.model, max_num_seqs=max(batches), max_num_batched_tokens=2048, chunk_size=512)
+    llm = LLM(model=args.model, max_num_seqs=max(batches), max_num_batched_tokens=2048, chunk_size=512,
+              async_scheduling=args.async_scheduling)
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     hf = None if args.skip_hf else hf_model(spec, args.threads)
     for b in batches:
@@ -84,7 +87,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"model": args.model, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+            json.dump({"model": args.model, "async_scheduling": args.async_scheduling,
+                       "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                        "rows": rows}, f, indent=2)
 
 

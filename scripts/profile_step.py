@@ -1,10 +1,13 @@
 """Where one decode step's time goes: host work vs device time, and the forward vs logits+sampling split.
 
     python scripts/profile_step.py --model small --batch 1
+    python scripts/profile_step.py --model small --batch 1 --async-scheduling
 
 Runs `--batch` requests of `--prompt-len`-token prompts (default 128) to steady decode, then times `--steps`
 engine steps: the wait for the device (forward + sampler) and the rest (scheduling, batch layout, dispatch, stop
-checks), and then the jitted forward and the jitted sampler alone on the same inputs.
+checks), and then the jitted forward and the jitted sampler alone on the same inputs. With
+`--async-scheduling` the host works while the device runs the previous step, so the host share is what the
+device waits for the host (the dispatch of the next step), not the host's whole work.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--kv-cache-gib", type=float, default=None,
                     help="KV pool size; a step's time must not grow with it (the pool is donated, not copied)")
     args = ap.parse_args()
@@ -35,7 +39,8 @@ def main() -> None:
     kv = None if args.kv_cache_gib is None else int(args.kv_cache_gib * 2**30)
     # No warm-up: the untimed steps below compile the only buckets this run uses (prefill, decode).
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=max(16, args.batch),
-                                    kv_cache_memory=kv, warmup=False))
+                                    kv_cache_memory=kv, warmup=False,
+                                    async_scheduling=args.async_scheduling))
     runner = engine.runner
     params = SamplingParams(temperature=0, max_tokens=2048, ignore_eos=True)
     for i in range(args.batch):
@@ -70,7 +75,7 @@ def main() -> None:
             np.bool_(False))
 
     def forward():
-        hidden, runner.kv_caches = runner._forward(runner.param_leaves, runner.kv_caches, packed)
+        hidden, runner.kv_caches = runner._forward(runner.param_leaves, runner.kv_caches, packed, runner._no_prev)
         return hidden
 
     hidden = jax.block_until_ready(forward())
@@ -85,7 +90,8 @@ def main() -> None:
     wait = float(np.mean(waits))
     pool_gib = sum(a.nbytes for a in jax.tree.leaves(runner.kv_caches)) / 2**30
     dtype = jax.tree.leaves(runner.kv_caches)[0].dtype
-    print(f"{args.model} ({dtype}, KV pool {pool_gib:.2f} GiB), {args.batch} decoding: "
+    mode = "async scheduling" if args.async_scheduling else "sync"
+    print(f"{args.model} ({dtype}, KV pool {pool_gib:.2f} GiB, {mode}), {args.batch} decoding: "
           f"step {step * 1e3:.1f} ms = device wait {wait * 1e3:.1f} ms + "
           f"host {(step - wait) * 1e3:.1f} ms; alone: forward {fwd * 1e3:.1f} ms, logits+sampling {smp * 1e3:.1f} ms")
 

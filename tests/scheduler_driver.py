@@ -4,6 +4,10 @@ The fake model stores token ids as its "KV": it writes each step's tokens throug
 each sequence's context back through its page table, checks that the context is the request's tokens (so a
 wrong page, a stale cached page or a page freed too early shows up), and samples a token that depends on the
 whole context. Outputs therefore do not depend on batching, chunking, caching or preemption.
+
+With `async_scheduling` the driver runs the engine's asynchronous loop: step k is scheduled and run before
+step k-1's tokens reach the scheduler, its decodes carrying placeholders (-(s+1)) that the fake model resolves
+from step k-1's samples, as the real forward does on the device.
 """
 
 from __future__ import annotations
@@ -26,15 +30,24 @@ class FakeModel:
         self.page_size = page_size
         self.kv = np.full(num_pages * page_size, -1, dtype=np.int64)
 
-    def step(self, batch: RaggedBatch) -> np.ndarray:
-        self.kv[batch.slot_mapping] = batch.token_ids
+    def step(self, batch: RaggedBatch, prev: np.ndarray | None = None) -> np.ndarray:
+        """Write the batch's tokens, check every context, sample. `prev`: the previous step's samples, which
+        placeholder ids -(s+1) stand for."""
+        def resolve(ids: np.ndarray) -> np.ndarray:
+            ids = np.asarray(ids, dtype=np.int64)
+            if (ids < 0).any():
+                assert prev is not None, "a placeholder without a step in flight"
+                ids = np.where(ids < 0, prev[np.maximum(-ids - 1, 0)], ids)
+            return ids
+
+        self.kv[batch.slot_mapping] = resolve(batch.token_ids)
         sampled = np.zeros(batch.num_seqs, dtype=np.int64)
         for s, req in enumerate(batch.requests):
             n = int(batch.kv_lens[s])
             pages = batch.page_table[s, : -(-n // self.page_size)]
             slots = (pages[:, None] * self.page_size + np.arange(self.page_size)).ravel()[:n]
             context = self.kv[slots]
-            assert context.tolist() == req.all_token_ids[:n], f"{req.request_id} reads wrong KV"
+            assert context.tolist() == resolve(req.all_token_ids[:n]).tolist(), f"{req.request_id} reads wrong KV"
             sampled[s] = int((context * np.arange(1, n + 1)).sum() % 7919) % VOCAB + 1
         return sampled
 
@@ -68,13 +81,23 @@ def check_batch(batch: RaggedBatch, config: SchedulerConfig) -> None:
 class Driver:
     """A minimal engine loop: schedule, run the fake model, update, stop on max_tokens."""
 
-    def __init__(self, scheduler: Scheduler, num_pages: int) -> None:
+    def __init__(self, scheduler: Scheduler, num_pages: int, async_scheduling: bool = False) -> None:
         self.scheduler = scheduler
         self.model = FakeModel(num_pages, scheduler.config.page_size)
         self.finished: dict[str, Request] = {}
         self.batches: list[RaggedBatch] = []
+        self.async_scheduling = async_scheduling
+        self.flight: tuple[np.ndarray, list] | None = None  # (samples, placeholders) of the step in flight
+
+    def _finish_stopped(self, req: Request) -> None:
+        status = self.scheduler.check_stop(req)
+        if status is not None:
+            self.scheduler.finish_request(req, status)
+            self.finished[req.request_id] = req
 
     def step(self) -> RaggedBatch | None:
+        if self.async_scheduling:
+            return self._step_async()
         sched = self.scheduler
         batch = sched.schedule()
         sched.integrity_check()
@@ -83,16 +106,34 @@ class Driver:
         check_batch(batch, sched.config)
         self.batches.append(batch)
         for req in sched.update_after_step(batch, self.model.step(batch)):
-            status = sched.check_stop(req)
-            if status is not None:
-                sched.finish_request(req, status)
-                self.finished[req.request_id] = req
+            self._finish_stopped(req)
+        sched.integrity_check()
+        return batch
+
+    def _step_async(self) -> RaggedBatch | None:
+        """Schedule and run step k, then hand step k-1's tokens to the scheduler, then advance step k."""
+        sched = self.scheduler
+        batch = sched.schedule()
+        sched.integrity_check()
+        sampled = None
+        if batch is not None:
+            check_batch(batch, sched.config)
+            self.batches.append(batch)
+            sampled = self.model.step(batch, self.flight[0] if self.flight else None)
+        if self.flight is not None:
+            prev, placeholders = self.flight
+            for req, index, s in placeholders:
+                req.output_token_ids[index] = int(prev[s])
+            for req, _, _ in placeholders:
+                if not req.status.finished:
+                    self._finish_stopped(req)
+        self.flight = None if batch is None else (sampled, sched.advance_after_dispatch(batch))
         sched.integrity_check()
         return batch
 
     def run(self, max_steps: int = 10_000) -> None:
         for _ in range(max_steps):
-            if not self.scheduler.has_work():
+            if not self.scheduler.has_work() and self.flight is None:
                 return
             self.step()
         raise AssertionError("the scheduler did not drain its work: livelock or deadlock")
@@ -101,7 +142,8 @@ class Driver:
 def outputs_of(requests: list[Request], **config) -> dict[str, list[int]]:
     """Serve fresh copies of `requests` to completion and return each one's generated tokens."""
     num_pages = config.pop("num_pages", 64)
-    driver = Driver(make_scheduler(num_pages, **config), num_pages)
+    async_scheduling = config.pop("async_scheduling", False)
+    driver = Driver(make_scheduler(num_pages, **config), num_pages, async_scheduling)
     for r in requests:
         driver.scheduler.add_request(make_request(r.request_id, r.prompt_token_ids, r.max_tokens, r.cache_salt))
     driver.run()

@@ -199,6 +199,24 @@ def test_preemption_under_pressure_keeps_outputs_identical() -> None:
     assert outputs_of(requests, page_size=8, chunk_size=64, num_pages=40) == roomy
 
 
+def test_async_scheduling_serves_the_same_tokens_under_pressure() -> None:
+    """One step ahead, decodes carry placeholders for tokens not yet seen; preemption, prefix hits and tight
+    pages still give every request the tokens of the synchronous loop (the fake model checks every context)."""
+    rng = random.Random(0)
+    system = [rng.randrange(1, VOCAB) for _ in range(12)]
+    requests = [make_request(f"r{i}", system + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 20))],
+                             max_tokens=rng.randrange(1, 24)) for i in range(12)]
+    roomy = outputs_of(requests, num_pages=200)
+    tight = Driver(make_scheduler(num_pages=16), 16, async_scheduling=True)
+    for r in requests:
+        tight.scheduler.add_request(make_request(r.request_id, r.prompt_token_ids, r.max_tokens))
+    tight.run()
+    assert tight.scheduler.num_preemptions > 0 and tight.scheduler.kv.num_hit_tokens > 0
+    assert {rid: r.output_token_ids for rid, r in tight.finished.items()} == roomy
+    assert outputs_of(requests, async_scheduling=True, chunk_size=4, max_num_batched_tokens=8) == roomy
+    assert all(t >= 0 for r in tight.finished.values() for t in r.output_token_ids)
+
+
 def test_the_admission_reservation_for_decode_growth_keeps_preemption_rare() -> None:
     def preemptions(init_ratio: float, min_ratio: float) -> int:
         rng = random.Random(0)
@@ -264,17 +282,18 @@ def test_token_level_stop_conditions() -> None:
        chunk_size=st.integers(1, 24),
        budget=st.integers(1, 48),
        caching=st.booleans(),
-       policy=st.sampled_from(["fcfs", "lpm"]))
+       policy=st.sampled_from(["fcfs", "lpm"]),
+       async_scheduling=st.booleans())
 def test_random_workloads_respect_budgets_and_leak_nothing(seed: int, page_size: int, num_pages: int,
                                                            max_num_seqs: int, chunk_size: int,
                                                            budget: int, caching: bool,
-                                                           policy: str) -> None:
+                                                           policy: str, async_scheduling: bool) -> None:
     """Random submit / abort / finish with random shared prefixes: every step checked, nothing lost."""
     rng = random.Random(seed)
     sched = make_scheduler(num_pages, page_size=page_size, chunk_size=chunk_size, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=budget, enable_prefix_caching=caching,
                            policy=policy, max_model_len=200)
-    driver = Driver(sched, num_pages)
+    driver = Driver(sched, num_pages, async_scheduling)
     capacity = (num_pages - 1) * page_size
     prefixes = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 30))] for _ in range(3)]
     submitted, aborted = 0, 0

@@ -1,0 +1,102 @@
+"""Asynchronous scheduling (`async_scheduling=True`): the host schedules step k while step k-1 runs, and step k's
+decodes read step k-1's tokens on the device. Nothing a client sees may change: tokens, seeds, stops, prefix
+hits, preemption and aborts behave as in the synchronous engine (the session's `tiny_llm`)."""
+
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.engine_config import EngineConfig
+from tests.conftest import TINY_ENGINE_ARGS
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def async_llm():
+    return LLM(model="tiny", async_scheduling=True, **TINY_ENGINE_ARGS)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size=int(rng.integers(3, 150))).tolist() for _ in range(n)]
+
+
+def test_tokens_match_the_synchronous_engine_in_a_mixed_batch(tiny_llm, async_llm):
+    batch = prompts(16, seed=10)
+    params = [SamplingParams(temperature=0, max_tokens=1 + i * 3 % 29, ignore_eos=True) if i % 3 else
+              SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=20, ignore_eos=True) for i in range(16)]
+    sync = tiny_llm.generate(batch, params)
+    outs = async_llm.generate(batch, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in sync]
+    assert [len(o.metrics.token_times) for o in outs] == [len(o.token_ids) for o in outs]
+    assert async_llm.engine.kv_manager.num_used_pages == 0
+    async_llm.engine.scheduler.integrity_check()
+
+
+def test_stop_tokens_and_strings_end_requests_as_in_the_synchronous_engine(tiny_llm, async_llm):
+    free = tiny_llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0]
+    stop_id = free.token_ids[6]
+    stops = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop_token_ids=[stop_id]),
+             SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop=[free.text[5:7]]),
+             SamplingParams(temperature=0, max_tokens=32)]  # may end on EOS
+    for params in stops:
+        expected = tiny_llm.generate(["Hello", "other words"], params)
+        got = async_llm.generate(["Hello", "other words"], params)
+        assert [(o.token_ids, o.text, o.finish_reason) for o in got] == \
+               [(o.token_ids, o.text, o.finish_reason) for o in expected]
+    assert async_llm.engine.kv_manager.num_used_pages == 0
+
+
+def test_preemption_under_async_scheduling_recomputes_the_same_tokens(tiny_llm):
+    batch = prompts(8, seed=2)
+    expected = [o.token_ids for o in tiny_llm.generate(batch, GREEDY)]
+    cramped = LLM(model="tiny", async_scheduling=True,
+                  **{**TINY_ENGINE_ARGS, "kv_cache_memory": 40 * 16 * 512, "max_model_len": 512})
+    outs = cramped.generate(batch, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert cramped.engine.counters["num_preemptions"] > 0
+    cramped.engine.scheduler.integrity_check()
+    assert cramped.engine.kv_manager.num_used_pages == 0
+
+
+def test_the_next_turn_hits_the_cache_and_decodes_the_same(tiny_llm, async_llm):
+    first = prompts(1, seed=5)[0]
+    answer = async_llm.generate([first], GREEDY)[0]
+    turn = first + answer.token_ids + [7, 8, 9]
+    got = async_llm.generate([turn], GREEDY)[0]
+    assert got.num_cached_tokens >= (len(first) + len(answer.token_ids) - 1) // 16 * 16 - 16 > 0
+    assert got.token_ids == tiny_llm.generate([turn], GREEDY)[0].token_ids
+
+
+def test_abort_while_a_step_is_in_flight_frees_pages_and_the_id_can_be_reused(async_llm):
+    engine = async_llm.engine
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    engine.add_request("flying", [1, 2, 3, 4, 5], params)
+    engine.add_request("neighbour", [9, 8, 7], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert engine._flight is not None  # a step is on the device while we abort
+    out = engine.abort_request("flying")
+    assert out.finished and out.finish_reason == "abort" and all(t >= 0 for t in out.token_ids)
+    engine.add_request("flying", [1, 2, 3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert len(done["flying"].token_ids) == 3 and len(done["neighbour"].token_ids) == 6
+    assert engine.kv_manager.num_used_pages == 0
+    engine.scheduler.integrity_check()
+
+
+def test_nothing_compiles_after_warmup_with_async_scheduling(async_llm):
+    before = async_llm.engine.runner.compile_count()
+    async_llm.generate(prompts(13, seed=3), SamplingParams(temperature=0.7, max_tokens=5, seed=1, logprobs=2))
+    async_llm.generate(prompts(1, seed=4), GREEDY)
+    assert async_llm.engine.runner.compile_count() == before
+
+
+def test_async_scheduling_needs_a_colocated_single_process_engine():
+    with pytest.raises(ValueError, match="async_scheduling needs a colocated engine"):
+        EngineConfig(async_scheduling=True, disaggregate=True)
+    with pytest.raises(ValueError, match="async_scheduling needs a colocated engine"):
+        EngineConfig(async_scheduling=True, num_processes=2, coordinator_address="localhost:1234")
