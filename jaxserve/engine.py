@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxserve.batch import RaggedBatch
@@ -35,6 +36,12 @@ from jaxserve.tokenizer import load_tokenizer
 from planner.model_spec import load_model_spec
 
 log = logging.getLogger("jaxserve")
+
+# On a CPU the host shares cores with XLA: host work beside a wide step (whose matmuls run on every core) slowed
+# 64-request decoding from 120 to 188 ms per token on the 2-core machine, while one-token steps (single-threaded
+# GEMVs) gained 1-1.5 ms (`python scripts/bench_vs_hf.py --async-scheduling`, BUILD.md). Wider CPU steps therefore
+# run alone, as in the synchronous loop.
+CPU_OVERLAP_MAX_TOKENS = 8
 
 
 def context_length_error(max_model_len: int, prompt_len: int, max_tokens: int) -> str:
@@ -194,21 +201,33 @@ class LLMEngine:
         return outputs
 
     def _step_async(self) -> list[RequestOutput]:
-        """Dispatch step k (its decodes read step k-1's tokens on the device), then collect step k-1."""
+        """Dispatch step k (its decodes read step k-1's tokens on the device), then collect step k-1.
+
+        A wide step on a CPU runs without overlap: step k-1 is collected first and step k at once.
+        """
         start = self.clock()
         batch = self.scheduler.schedule()
-        flight = None
-        if batch is not None:
-            sampling = self._sampling_for(batch, self.runner)
-            compiles = self.runner.compile_count()
-            prev = self._flight.pending if self._flight is not None else None
-            flight = _Flight(batch, sampling, self.runner.dispatch(batch, sampling, prev))
-            compiled = self.runner.compile_count() > compiles
-        outputs = self._collect_flight(self._flight) if self._flight is not None else []
+        prev, outputs = self._flight, []
+        if batch is None:
+            self._flight = None
+            return self._collect_flight(prev) if prev is not None else []
+        overlap = self.runner.platform != "cpu" or batch.num_tokens <= CPU_OVERLAP_MAX_TOKENS
+        if prev is not None and not overlap:
+            outputs, self._flight = self._collect_flight(prev), None
+        sampling = self._sampling_for(batch, self.runner)
+        compiles = self.runner.compile_count()
+        flight = _Flight(batch, sampling, self.runner.dispatch(batch, sampling, prev.pending if prev else None))
+        compiled = self.runner.compile_count() > compiles
+        if prev is not None and overlap:
+            outputs = self._collect_flight(prev)
+        if not overlap:
+            jax.block_until_ready(flight.pending)  # no host work while a wide step runs on every core
         self._flight = flight
-        if flight is not None:
-            flight.placeholders = self.scheduler.advance_after_dispatch(batch)
-            self._record_step(batch, start, compiled)
+        flight.placeholders = self.scheduler.advance_after_dispatch(batch)
+        if not overlap:
+            outputs += self._collect_flight(flight)
+            self._flight = None
+        self._record_step(batch, start, compiled)
         return outputs
 
     def _collect_flight(self, flight: _Flight) -> list[RequestOutput]:

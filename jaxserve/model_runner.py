@@ -108,9 +108,9 @@ class ModelRunner:
         # The sampler pads its tokens to this length so the next forward, which may read them on the device
         # (asynchronous scheduling), has one input shape whatever the sequence bucket.
         self.max_sampled = max(seq_buckets)
-        self._no_prev = np.zeros(self.max_sampled, np.int32)
         self.step_hook: Callable[[RaggedBatch, SamplingArrays], None] | None = None  # multi-host: announce steps
         sharding = kv_caches[0][0].sharding
+        self.platform = next(iter(sharding.device_set)).platform  # "cpu", "gpu", "tpu"
         self.mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
         if self.mesh is None:  # plain single-device arrays
             self._replicated = None
@@ -118,8 +118,12 @@ class ModelRunner:
             self._sample = jax.jit(self._sample_impl)
             self._insert = jax.jit(self._insert_impl, donate_argnums=(0,))
             self._gather = jax.jit(self._gather_impl, static_argnums=(2,))
+            self._no_prev = jnp.zeros(self.max_sampled, jnp.int32, device=sharding)
             return
         rep = self._replicated = replicated(self.mesh)
+        # A device array like the sampler's output: a numpy array here would be a second jit variant of the
+        # forward, compiled on the first step that reads a previous step's tokens.
+        self._no_prev = jnp.zeros(self.max_sampled, jnp.int32, device=rep)
         params_sh = jax.tree.leaves(params_shardings(self.params))
         kv_sh = jax.tree.map(lambda x: x.sharding, kv_caches)
         self._forward = jax.jit(self._forward_impl, donate_argnums=(1,),
@@ -220,7 +224,7 @@ class ModelRunner:
         if self.step_hook is not None:
             self.step_hook(batch, sampling)
         num_tokens = bucket_for(batch.num_tokens, self.token_buckets)
-        prev_tokens = self._put(self._no_prev) if prev is None else prev[0]
+        prev_tokens = self._no_prev if prev is None else prev[0]
         hidden_rows, self.kv_caches = self._forward(self.param_leaves, self.kv_caches,
                                                     self._device_inputs(batch, num_tokens), prev_tokens)
         rows = self._put((sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed,
@@ -288,7 +292,7 @@ class ModelRunner:
             # start-up, so those buckets only compile (on an empty batch).
             batch = _trash_prefill(t, self.page_size, self.max_num_seqs, max_len) if t <= WARM_REAL_TOKENS else empty
             hidden_rows, self.kv_caches = self._forward(self.param_leaves, self.kv_caches,
-                                                        self._device_inputs(batch, t), self._put(self._no_prev))
+                                                        self._device_inputs(batch, t), self._no_prev)
             jax.block_until_ready(hidden_rows)
         for s in self.seq_buckets:
             a = SamplingArrays.build([], s)

@@ -6,6 +6,11 @@ at several concurrencies. HF runs `generate` with static batches (greedy, KV cac
 
     python scripts/bench_vs_hf.py --out reports/bench_vs_hf.json
     python scripts/bench_vs_hf.py --async-scheduling --out reports/bench_vs_hf_async.json
+    python scripts/bench_vs_hf.py --profile reports/profile.json   # also: TPOT against the bandwidth floor
+
+With `--profile` (from `jaxserve calibrate`), each row also gets the decode floor: the bytes one step reads
+(weights, plus every sequence's KV at its mean context over the run) over the profile's measured memory
+bandwidth, and the measured TPOT as a multiple of it.
 """
 
 from __future__ import annotations
@@ -43,6 +48,16 @@ def hf_run(model, prompts: list[list[int]], new_tokens: int) -> float:
         return time.perf_counter() - t
 
 
+def decode_floor(spec, batch: int, mean_context: float, bandwidth: float, tpot_s: float) -> dict:
+    """A decode step's bytes (weights once, each sequence's KV) over `bandwidth`, and TPOT as a multiple of it."""
+    from planner.memory import kv_bytes_per_token, weight_bytes_per_device
+
+    step_bytes = weight_bytes_per_device(spec, "fp32") + batch * mean_context * kv_bytes_per_token(spec, "fp32")
+    floor = step_bytes / bandwidth
+    return {"bandwidth_gbps": bandwidth / 1e9, "step_mb": step_bytes / 1e6, "floor_ms": floor * 1e3,
+            "tpot_over_floor": tpot_s / floor}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="small")
@@ -52,6 +67,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--async-scheduling", action="store_true", help="jaxserve schedules one step ahead")
+    ap.add_argument("--profile", default=None, help="calibrated hardware profile: report TPOT / bandwidth floor")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -59,6 +75,10 @@ def main() -> None:
     from planner.model_spec import load_model_spec
 
     spec = load_model_spec(args.model)
+    bandwidth = None
+    if args.profile:
+        with open(args.profile) as f:
+            bandwidth = json.load(f)["memory_bandwidth_gbps"] * 1e9
     batches = [int(b) for b in args.batches.split(",")]
     rng = np.random.default_rng(0)
     rows = []
@@ -77,6 +97,8 @@ def main() -> None:
         row = {"batch": b, "jaxserve_e2e_s": wall, "jaxserve_tpot_ms": tpot * 1e3,
                "jaxserve_tokens_per_s": b * args.new_tokens / wall,
                "jaxserve_ttft_ms": float(np.mean([o.metrics.ttft for o in outs])) * 1e3}
+        if bandwidth:
+            row.update(decode_floor(spec, b, args.prompt_len + args.new_tokens / 2, bandwidth, tpot))
         if hf is not None:
             hf_run(hf, prompts, 2)  # warm
             e2e = hf_run(hf, prompts, args.new_tokens)

@@ -5,11 +5,19 @@ hits, preemption and aborts behave as in the synchronous engine (the session's `
 import numpy as np
 import pytest
 
+import jaxserve.engine
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine_config import EngineConfig
 from tests.conftest import TINY_ENGINE_ARGS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def overlap_every_step(monkeypatch):
+    """Overlap wide steps too (on a CPU the engine collects steps wider than CPU_OVERLAP_MAX_TOKENS at once), so
+    the placeholder path runs under every batch these tests make."""
+    monkeypatch.setattr(jaxserve.engine, "CPU_OVERLAP_MAX_TOKENS", 10**9)
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +30,9 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [rng.integers(0, 256, size=int(rng.integers(3, 150))).tolist() for _ in range(n)]
 
 
-def test_tokens_match_the_synchronous_engine_in_a_mixed_batch(tiny_llm, async_llm):
+@pytest.mark.parametrize("overlap_max_tokens", [10**9, 8])  # every step overlapped; the CPU rule
+def test_tokens_match_the_synchronous_engine_in_a_mixed_batch(tiny_llm, async_llm, monkeypatch, overlap_max_tokens):
+    monkeypatch.setattr(jaxserve.engine, "CPU_OVERLAP_MAX_TOKENS", overlap_max_tokens)
     batch = prompts(16, seed=10)
     params = [SamplingParams(temperature=0, max_tokens=1 + i * 3 % 29, ignore_eos=True) if i % 3 else
               SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=20, ignore_eos=True) for i in range(16)]
@@ -88,11 +98,26 @@ def test_abort_while_a_step_is_in_flight_frees_pages_and_the_id_can_be_reused(as
     engine.scheduler.integrity_check()
 
 
-def test_nothing_compiles_after_warmup_with_async_scheduling(async_llm):
-    before = async_llm.engine.runner.compile_count()
-    async_llm.generate(prompts(13, seed=3), SamplingParams(temperature=0.7, max_tokens=5, seed=1, logprobs=2))
-    async_llm.generate(prompts(1, seed=4), GREEDY)
-    assert async_llm.engine.runner.compile_count() == before
+def test_nothing_compiles_after_warmup_with_async_scheduling():
+    """A fresh engine: the first step that reads a previous step's tokens on the device must not compile."""
+    llm = LLM(model="tiny", async_scheduling=True, **{**TINY_ENGINE_ARGS, "max_num_seqs": 4})
+    before = llm.engine.runner.compile_count()
+    llm.generate(prompts(6, seed=3), SamplingParams(temperature=0.7, max_tokens=5, seed=1, logprobs=2))
+    llm.generate(prompts(1, seed=4), GREEDY)
+    assert llm.engine.runner.compile_count() == before
+
+
+def test_on_a_cpu_wide_steps_are_collected_at_once_and_narrow_ones_overlap(async_llm, monkeypatch):
+    monkeypatch.setattr(jaxserve.engine, "CPU_OVERLAP_MAX_TOKENS", 8)
+    engine = async_llm.engine
+    engine.add_request("wide", list(range(1, 41)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    engine.step()  # the 40-token prefill: collected in the same call
+    assert engine._flight is None and engine.scheduler.requests["wide"].output_token_ids[0] >= 0
+    engine.step()  # a one-token decode: left in flight
+    assert engine._flight is not None and engine.scheduler.requests["wide"].output_token_ids[-1] < 0
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv_manager.num_used_pages == 0
 
 
 def test_async_scheduling_needs_a_colocated_single_process_engine():
