@@ -5,7 +5,8 @@
 #
 # Runs from a checkout with no install and no network (PYTHONPATH=.): needs jax (with CUDA), flax, numpy,
 # click and jinja2; matplotlib is optional (without it, no report.png). Everything lands in OUT_DIR:
-# env.txt (devices, versions), profile_step.txt (where a batch-1 decode step's time goes), profile.json
+# env.txt (devices, versions), profile_step.txt (where a batch-1 decode step's time goes, without and with
+# asynchronous scheduling), profile.json
 # (calibrated hardware profile), report.json/.md/.png, run.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +21,8 @@ flax.__version__); print(jax.devices())"; } > "$OUT/env.txt" 2>&1 || true
 
 timeout 60 "$PY" scripts/profile_step.py --model synthetic-1b --dtype bfloat16 --batch 1 --steps 100 \
   --kv-cache-gib 1 2>&1 | grep -v "^WARNING" | tee -a "$OUT/profile_step.txt" || true
+timeout 60 "$PY" scripts/profile_step.py --model synthetic-1b --dtype bfloat16 --batch 1 --steps 100 \
+  --kv-cache-gib 1 --async-scheduling 2>&1 | grep -v "^WARNING" | tee -a "$OUT/profile_step.txt" || true
 
 timeout 270 "$PY" - "$OUT" <<'PY' 2>&1 | tee "$OUT/run.log"
 import importlib.util
