@@ -22,12 +22,19 @@ def test_generate_streams_text_and_reports_timing():
                  "--max-num-batched-tokens", "64", "--max-num-seqs", "4", "--kv-cache-memory", "4MiB")
     assert r.returncode == 0, r.stderr
     assert "[6 tokens, finish_reason=length, TTFT" in r.stderr
+    overlapped = jaxserve("generate", "--model", "tiny", "--prompt", "Hello", "--max-tokens", "6", "--ignore-eos",
+                          "--max-num-batched-tokens", "64", "--max-num-seqs", "4", "--kv-cache-memory", "4MiB",
+                          "--temperature", "0", "--async-scheduling")
+    assert overlapped.returncode == 0, overlapped.stderr
+    assert "[6 tokens, finish_reason=length, TTFT" in overlapped.stderr
+    assert overlapped.stdout == r.stdout  # greedy: the same text with and without overlap
 
 
 def test_bad_flags_are_one_line_and_exit_2():
     for args in (["generate", "--model", "no-such-model", "--prompt", "x"],
                  ["generate", "--prompt", "x", "--kv-cache-memory", "lots"],
                  ["generate", "--prompt", "x", "--chunk-size", "17"],
+                 ["generate", "--prompt", "x", "--async-scheduling", "--disaggregate"],
                  ["convert", "/no/such/folder", "/tmp/out"]):
         r = jaxserve(*args)
         assert r.returncode == 2, (args, r.stderr)
