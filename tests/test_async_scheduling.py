@@ -125,3 +125,40 @@ def test_async_scheduling_needs_a_colocated_single_process_engine():
         EngineConfig(async_scheduling=True, disaggregate=True)
     with pytest.raises(ValueError, match="async_scheduling needs a colocated engine"):
         EngineConfig(async_scheduling=True, num_processes=2, coordinator_address="localhost:1234")
+
+
+def test_streaming_engine_with_async_scheduling_streams_and_aborts(tiny_llm):
+    """The server's engine loop (AsyncEngine) on an overlapping engine: streams match the synchronous tokens,
+    and a client that stops reading mid-stream aborts its request without disturbing the others."""
+    import asyncio
+
+    from jaxserve.async_engine import AsyncEngine
+
+    engine = AsyncEngine(EngineConfig(model="tiny", async_scheduling=True, **TINY_ENGINE_ARGS))
+    engine.start()
+    batch = prompts(3, seed=8)
+    expected = [o.token_ids for o in tiny_llm.generate(batch, GREEDY)]
+
+    async def stream(i: int, stop_after: int | None) -> list[int]:
+        tokens: list[int] = []
+        async for out in engine.generate(f"s{i}", batch[i], GREEDY):
+            tokens = out.outputs[0].token_ids
+            if stop_after is not None and len(tokens) >= stop_after:
+                break  # leaving the stream aborts the request
+        return tokens
+
+    async def main() -> list[list[int]]:
+        return await asyncio.gather(stream(0, None), stream(1, 5), stream(2, None))
+
+    try:
+        full0, cut, full2 = asyncio.run(main())
+        assert full0 == expected[0] and full2 == expected[2]
+        assert cut[:5] == expected[1][:5] and len(cut) < 24
+        deadline = 50
+        while engine.engine.has_unfinished_requests() and deadline:  # the abort lands on the engine thread
+            deadline -= 1
+            asyncio.run(asyncio.sleep(0.1))
+        assert not engine.engine.has_unfinished_requests()
+        assert engine.engine.kv_manager.num_used_pages == 0
+    finally:
+        engine.shutdown()
