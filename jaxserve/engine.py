@@ -211,10 +211,10 @@ class LLMEngine:
         if batch is None:
             self._flight = None
             return self._collect_flight(prev) if prev is not None else []
+        sampling = self._sampling_for(batch, self.runner)  # before any collect finishes a request of `batch`
         overlap = self.runner.platform != "cpu" or batch.num_tokens <= CPU_OVERLAP_MAX_TOKENS
         if prev is not None and not overlap:
             outputs, self._flight = self._collect_flight(prev), None
-        sampling = self._sampling_for(batch, self.runner)
         compiles = self.runner.compile_count()
         flight = _Flight(batch, sampling, self.runner.dispatch(batch, sampling, prev.pending if prev else None))
         compiled = self.runner.compile_count() > compiles
@@ -227,7 +227,7 @@ class LLMEngine:
         if not overlap:
             outputs += self._collect_flight(flight)
             self._flight = None
-        self._record_step(batch, start, compiled)
+        self._record_step(batch, start, compiled)  # overlapped: its duration spans the wait for step k-1
         return outputs
 
     def _collect_flight(self, flight: _Flight) -> list[RequestOutput]:

@@ -162,3 +162,28 @@ def test_streaming_engine_with_async_scheduling_streams_and_aborts(tiny_llm):
         assert engine.engine.kv_manager.num_used_pages == 0
     finally:
         engine.shutdown()
+
+
+def test_a_wide_step_after_an_overlapped_one_whose_request_stops(tiny_llm, monkeypatch):
+    """The CPU rule's hand-over: a request stops on a token drawn by an overlapped (narrow) step while the next
+    step, wide because a new prompt arrived, already holds it. Every arrival point is tried, each with a fresh
+    prompt (a cached one would make the step narrow)."""
+    monkeypatch.setattr(jaxserve.engine, "CPU_OVERLAP_MAX_TOKENS", 8)
+    free = tiny_llm.generate([[3, 1, 4, 1, 5]], GREEDY)[0].token_ids
+    stopping = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[free[3]])
+    expected_a = free[: free.index(free[3]) + 1]
+    wides = [p + [1] * 20 for p in prompts(7, seed=9)]
+    expected_b = [o.token_ids for o in tiny_llm.generate(wides, GREEDY)]
+    llm = LLM(model="tiny", async_scheduling=True, **TINY_ENGINE_ARGS)
+    engine = llm.engine
+    for arrival, wide in enumerate(wides):
+        engine.add_request(f"a{arrival}", [3, 1, 4, 1, 5], stopping)
+        done = {}
+        for _ in range(arrival):
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.add_request(f"b{arrival}", wide, GREEDY)
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        assert done[f"a{arrival}"].token_ids == expected_a and done[f"a{arrival}"].finish_reason == "stop"
+        assert done[f"b{arrival}"].token_ids == expected_b[arrival]
+        assert engine.kv_manager.num_used_pages == 0
