@@ -324,6 +324,8 @@ def _command():
 
         seed = options["seed"]
         config = config_from_options(options)
+        if config.async_scheduling:  # each step is timed around one `step()` call, which overlap would blur
+            raise click.UsageError("calibrate times the synchronous engine loop; drop --async-scheduling")
         t0 = time.monotonic()
         try:
             engine = LLMEngine(config)

@@ -35,6 +35,7 @@ def test_bad_flags_are_one_line_and_exit_2():
                  ["generate", "--prompt", "x", "--kv-cache-memory", "lots"],
                  ["generate", "--prompt", "x", "--chunk-size", "17"],
                  ["generate", "--prompt", "x", "--async-scheduling", "--disaggregate"],
+                 ["calibrate", "--async-scheduling"],
                  ["convert", "/no/such/folder", "/tmp/out"]):
         r = jaxserve(*args)
         assert r.returncode == 2, (args, r.stderr)
