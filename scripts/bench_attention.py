@@ -22,6 +22,7 @@ import numpy as np
 from jaxserve.model.metadata import AttentionMetadata
 from jaxserve.model.paged_attention import (
     DEFAULT_DECODE_KV_BLOCK,
+    DEFAULT_DECODE_TAIL_BLOCK,
     DEFAULT_KV_BLOCK,
     DEFAULT_Q_BLOCK,
     paged_attention,
@@ -74,6 +75,7 @@ def main() -> None:
     ap.add_argument("--kv-block", type=int, default=DEFAULT_KV_BLOCK)
     ap.add_argument("--q-block", type=int, default=DEFAULT_Q_BLOCK)
     ap.add_argument("--decode-kv-block", type=int, default=DEFAULT_DECODE_KV_BLOCK)
+    ap.add_argument("--decode-tail-block", type=int, default=DEFAULT_DECODE_TAIL_BLOCK)
     ap.add_argument("--decode-mode", default="auto", choices=["auto", "loop", "batched"])
     ap.add_argument("--decodes", default="1,16,32,64")
     ap.add_argument("--prefills", default="256:0,512:0,256:2048,512:2048", help="chunk:prior_context list")
@@ -84,10 +86,12 @@ def main() -> None:
     spec = PRESETS[args.model]
     h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
     fn = jax.jit(functools.partial(paged_attention, scale=d**-0.5, kv_block=args.kv_block, q_block=args.q_block,
-                                   decode_kv_block=args.decode_kv_block, decode_mode=args.decode_mode))
+                                   decode_kv_block=args.decode_kv_block, decode_mode=args.decode_mode,
+                                   decode_tail_block=args.decode_tail_block))
     kv_token_bytes = 2 * kvh * d * 4
     print(f"# {args.model}: {h} heads, {kvh} kv heads, head_dim {d}, page {args.page_size}, "
-          f"kv_block {args.kv_block}, q_block {args.q_block}, decode_kv_block {args.decode_kv_block} "
+          f"kv_block {args.kv_block}, q_block {args.q_block}, "
+          f"decode_kv_block {args.decode_kv_block} (tail {args.decode_tail_block}) "
           f"({args.decode_mode}), "
           f"backend {jax.default_backend()}")
     print(f"{'case':<28}{'ms/layer':>10}{'floor ms':>10}{'x floor':>9}")
