@@ -25,14 +25,14 @@ def prompts(seed: int = 0, lengths: tuple[int, ...] = (3, 17, 40, 70, 5)) -> lis
     return [rng.integers(0, 256, n).tolist() for n in lengths]
 
 
-def run_tp(degrees: list[int]) -> dict:
+def run_tp(degrees: list[int], **engine_args) -> dict:
     """Greedy tokens, top logprobs, compile counts and KV shard shapes for each TP degree."""
     from jaxserve import LLM, SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=10, logprobs=3)
     result = {}
     for tp in degrees:
-        llm = LLM("tiny", tensor_parallel_size=tp, **ARGS)
+        llm = LLM("tiny", tensor_parallel_size=tp, **ARGS, **engine_args)
         runner = llm.engine.runner
         compiled = runner.compile_count()
         outs = llm.generate(prompts(), sp)
@@ -148,6 +148,11 @@ if __name__ == "__main__":
 
         llama.paged_attention = functools.partial(paged_attention.paged_attention, decode_mode="batched")
         print(json.dumps(run_tp([int(x) for x in rest])))
+    elif mode == "tp-async":  # asynchronous scheduling on a mesh, every step overlapped (as on a GPU)
+        import jaxserve.engine
+
+        jaxserve.engine.CPU_OVERLAP_MAX_TOKENS = 10**9
+        print(json.dumps(run_tp([int(x) for x in rest], async_scheduling=True)))
     elif mode == "tp-checkpoint":
         print(json.dumps(run_tp_checkpoint([int(x) for x in rest])))
     elif mode == "disagg":

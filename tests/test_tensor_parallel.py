@@ -74,6 +74,13 @@ def test_batched_decode_attention_under_tp():
     assert runs["4"]["compiles_after_warmup"] == 0
 
 
+def test_async_scheduling_under_tp(tp_runs):
+    """Placeholder tokens read from the previous step's sharded-mesh output: same tokens, no compile."""
+    runs = run_driver("tp-async", "2")
+    assert runs["2"]["tokens"] == tp_runs["1"]["tokens"]
+    assert runs["2"]["compiles_after_warmup"] == 0
+
+
 def test_effective_spec_and_checks():
     spec = load_model_spec("tiny")  # 4 heads, 2 KV heads
     assert effective_spec(spec, 2) is spec
