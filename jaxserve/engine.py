@@ -207,14 +207,13 @@ class LLMEngine:
         """
         start = self.clock()
         batch = self.scheduler.schedule()
-        prev, outputs = self._flight, []
+        prev, outputs, self._flight = self._flight, [], None
         if batch is None:
-            self._flight = None
             return self._collect_flight(prev) if prev is not None else []
         sampling = self._sampling_for(batch, self.runner)  # before any collect finishes a request of `batch`
         overlap = self.runner.platform != "cpu" or batch.num_tokens <= CPU_OVERLAP_MAX_TOKENS
         if prev is not None and not overlap:
-            outputs, self._flight = self._collect_flight(prev), None
+            outputs = self._collect_flight(prev)
         compiles = self.runner.compile_count()
         flight = _Flight(batch, sampling, self.runner.dispatch(batch, sampling, prev.pending if prev else None))
         compiled = self.runner.compile_count() > compiles
@@ -222,11 +221,11 @@ class LLMEngine:
             outputs = self._collect_flight(prev)
         if not overlap:
             jax.block_until_ready(flight.pending)  # no host work while a wide step runs on every core
-        self._flight = flight
         flight.placeholders = self.scheduler.advance_after_dispatch(batch)
-        if not overlap:
+        if overlap:
+            self._flight = flight
+        else:
             outputs += self._collect_flight(flight)
-            self._flight = None
         self._record_step(batch, start, compiled)  # overlapped: its duration spans the wait for step k-1
         return outputs
 

@@ -181,8 +181,7 @@ class ModelRunner:
         t, s = batch.num_tokens, batch.num_seqs
         n_seq, n_page = self.max_num_seqs, self.pages_per_seq
         packed = np.zeros(3 * num_tokens + 3 * n_seq + 3 + n_seq * n_page, np.int32)
-        tok, pos, slots, idx, cu, kv_lens, counts, table = np.split(
-            packed, np.cumsum([num_tokens, num_tokens, num_tokens, n_seq, n_seq + 1, n_seq, 2]))
+        tok, pos, slots, idx, cu, kv_lens, counts, table = np.split(packed, self._split_points(num_tokens))
         tok[:t] = batch.token_ids
         pos[:t] = batch.positions
         slots[:] = np.arange(num_tokens, dtype=np.int32) % self.page_size  # padded tokens: trash page 0
@@ -195,12 +194,16 @@ class ModelRunner:
         table.reshape(n_seq, n_page)[:s, : batch.page_table.shape[1]] = batch.page_table
         return self._put(packed)
 
+    def _split_points(self, num_tokens: int) -> list[int]:
+        """Where the packed layout's eight parts start (after the first), for `num_tokens` padded tokens."""
+        t, n_seq = num_tokens, self.max_num_seqs
+        return np.cumsum([t, t, t, n_seq, n_seq + 1, n_seq, 2]).tolist()
+
     def _unpack(self, packed: jax.Array) -> tuple[jax.Array, jax.Array, AttentionMetadata, jax.Array]:
         """(token ids, positions, metadata, logits indices) from `_device_inputs`' packed array."""
         n_seq, n_page = self.max_num_seqs, self.pages_per_seq
         t = (packed.shape[0] - 3 * n_seq - 3 - n_seq * n_page) // 3
-        tok, pos, slots, idx, cu, kv_lens, counts, table = jnp.split(
-            packed, np.cumsum([t, t, t, n_seq, n_seq + 1, n_seq, 2]).tolist())
+        tok, pos, slots, idx, cu, kv_lens, counts, table = jnp.split(packed, self._split_points(t))
         meta = AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=kv_lens,
                                  page_table=table.reshape(n_seq, n_page), num_seqs=counts[0], num_decodes=counts[1])
         return tok, pos, meta, idx

@@ -6,8 +6,7 @@
 # Runs from a checkout with no install and no network (PYTHONPATH=.): needs jax (with CUDA), flax, numpy,
 # click and jinja2; matplotlib is optional (without it, no report.png). Everything lands in OUT_DIR:
 # env.txt (devices, versions), profile_step.txt (where a batch-1 decode step's time goes, without and with
-# asynchronous scheduling), profile.json
-# (calibrated hardware profile), report.json/.md/.png, run.log.
+# asynchronous scheduling), profile.json (calibrated hardware profile), report.json/.md/.png, run.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-reports/gpu-$(date +%Y%m%d-%H%M%S)}

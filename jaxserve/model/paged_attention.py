@@ -26,7 +26,8 @@ DEFAULT_SMALL_Q_BLOCK = 16
 DEFAULT_DECODE_KV_BLOCK = 512
 # A decode's context past its last whole 512-token block goes in 32-token blocks: 128 read up to 96 masked tokens
 # per sequence and layer; 32 took 4-6% off decode TPOT at 1, 16 and 64 requests of `small` on CPU (a throwaway A/B
-# of two engines in one process, BUILD.md); 16 was slower (`scripts/bench_attention.py`, 64 x 192: 6.4 vs 3.6 ms).
+# of two engines in one process, BUILD.md); 16 was slower (`python scripts/bench_attention.py --decodes 64
+# --prefills "" --context 192 --decode-tail-block 16`, then `32`: 6.4 vs 3.6 ms a layer).
 DEFAULT_DECODE_TAIL_BLOCK = 32
 # A query block costs about as much as this many extra query rows (its KV gather and loop), measured on CPU with
 # `python scripts/bench_attention.py --decodes "" --prefills 128:1024 --q-block 16` (eight 16-row blocks, 4.2 ms)
