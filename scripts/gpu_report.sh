@@ -6,7 +6,7 @@
 # Runs from a checkout with no install and no network (PYTHONPATH=.): needs jax (with CUDA), flax, numpy,
 # click and jinja2; matplotlib is optional (without it, no report.png). Everything lands in OUT_DIR:
 # env.txt (devices, versions), profile_step.txt (where a batch-1 decode step's time goes, without and with
-# asynchronous scheduling), profile.json (calibrated hardware profile), report.json/.md/.png, run.log.
+# asynchronous scheduling, and with loops recorded into CUDA graphs), profile.json (calibrated hardware profile), report.json/.md/.png, run.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-reports/gpu-$(date +%Y%m%d-%H%M%S)}
@@ -22,6 +22,12 @@ timeout 60 "$PY" scripts/profile_step.py --model synthetic-1b --dtype bfloat16 -
   --kv-cache-gib 1 2>&1 | grep -v "^WARNING" | tee -a "$OUT/profile_step.txt" || true
 timeout 60 "$PY" scripts/profile_step.py --model synthetic-1b --dtype bfloat16 --batch 1 --steps 100 \
   --kv-cache-gib 1 --async-scheduling 2>&1 | grep -v "^WARNING" | tee -a "$OUT/profile_step.txt" || true
+# An experiment, not a setting of ours: XLA runs a while loop by reading its condition back to the host every
+# iteration; recording loops and conditionals into CUDA graphs (command buffers) would keep them on the device.
+echo "with XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL:" >> "$OUT/profile_step.txt"
+XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL timeout 60 "$PY" scripts/profile_step.py \
+  --model synthetic-1b --dtype bfloat16 --batch 1 --steps 100 --kv-cache-gib 1 --async-scheduling 2>&1 \
+  | grep -v "^WARNING" | tail -3 | tee -a "$OUT/profile_step.txt" || true
 
 timeout 270 "$PY" - "$OUT" <<'PY' 2>&1 | tee "$OUT/run.log"
 import importlib.util

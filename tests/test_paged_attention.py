@@ -147,8 +147,9 @@ def test_property_random_ragged(heads, kv_heads, decode_mode, batch, seed):
     check(np.random.default_rng(seed), heads, kv_heads, decode_ctx, prefill, decode_mode=decode_mode)
 
 
+@pytest.mark.parametrize("decode_mode", ["loop", "batched"])
 @pytest.mark.parametrize(("heads", "kv_heads"), HEADS)
-def test_one_token_step(heads, kv_heads):
+def test_one_token_step(heads, kv_heads, decode_mode):
     """A one-token step (the batch-1 decode bucket) takes its own path: a decode, a first prompt token, padding."""
     rng = np.random.default_rng(3)
     for decode_ctx, prefill in (([37], []), ([], [(1, 0)]), ([], [(1, 20)]), ([], [])):
@@ -158,7 +159,7 @@ def test_one_token_step(heads, kv_heads):
         k_cache = rng.standard_normal((NUM_PAGES, PAGE_SIZE, kv_heads, D), dtype=np.float32)
         v_cache = rng.standard_normal((NUM_PAGES, PAGE_SIZE, kv_heads, D), dtype=np.float32)
         meta = AttentionMetadata(**{k: jnp.asarray(v) for k, v in m.items()})
-        out = np.asarray(attention_fn(8, 8, "loop")(jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache), meta))
+        out = np.asarray(attention_fn(8, 8, decode_mode)(jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache), meta))
         np.testing.assert_allclose(out, dense_reference(q, k_cache, v_cache, m, D**-0.5), atol=2e-5, rtol=2e-5)
 
 
