@@ -9,6 +9,10 @@ measured hit rate on a calibrated profile (--profile, e.g. from `jaxserve calibr
 
     python scripts/bench_prefix_cache.py --model small --profile reports/small/profile.json \
         --out reports/prefix_cache.json
+
+Both engines live side by side and the runs alternate, on then off, `--repeats` times (fresh cache salts each
+time, so a repeat never hits an earlier one's pages): the two settings see the same machine, whose speed drifts
+by 10-25% within minutes, and the pooled means average that drift out. Each repeat's ratio is printed too.
 """
 
 from __future__ import annotations
@@ -20,17 +24,19 @@ import math
 import numpy as np
 
 
-def summarize(run, long_history: int) -> dict:
-    ok = [r for r in run.records if r.success]
+def summarize(runs: list, long_history: int) -> dict:
+    """Pooled over the repeats' runs of one workload and setting."""
+    records = [r for run in runs for r in run.records]
+    ok = [r for r in records if r.success]
     ttfts = np.array([r.ttft for r in ok]) * 1e3
     long = [r.ttft * 1e3 for r in ok if r.prompt_len > long_history]
     prompt = sum(r.prompt_len for r in ok)
     cached = sum(r.cached_tokens or 0 for r in ok)
-    return {"completed": len(ok), "failed": len(run.records) - len(ok), "mean_ttft_ms": float(ttfts.mean()),
+    return {"completed": len(ok), "failed": len(records) - len(ok), "mean_ttft_ms": float(ttfts.mean()),
             "p90_ttft_ms": float(np.percentile(ttfts, 90)),
             "mean_ttft_long_history_ms": float(np.mean(long)) if long else None, "long_history_requests": len(long),
             "hit_rate": cached / max(1, prompt), "mean_input_len": prompt / max(1, len(ok)),
-            "duration_s": run.duration}
+            "duration_s": sum(run.duration for run in runs), "repeats": len(runs)}
 
 
 def predict_ttft(model: str, profile: str, s: dict, concurrency: float | None, rate: float | None,
@@ -74,6 +80,7 @@ def main() -> None:
     ap.add_argument("--question-len", type=int, default=64)
     ap.add_argument("--shared-rate", type=float, default=0.5)
     ap.add_argument("--workloads", default="multi-turn,shared-prefix")
+    ap.add_argument("--repeats", type=int, default=3, help="alternating on/off runs, pooled")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -93,27 +100,39 @@ def main() -> None:
                           LoadConfig(request_rate=args.shared_rate), 16),
     }
     workloads = {k: v for k, v in workloads.items() if k in args.workloads.split(",")}
+    engines = {caching: LLMEngine(EngineConfig(model=args.model, max_num_seqs=16, max_num_batched_tokens=512,
+                                               chunk_size=512, enable_prefix_caching=caching))
+               for caching in (True, False)}
+    special = tuple(t for t in (engines[True].spec.bos_token_id, engines[True].spec.eos_token_id) if t is not None)
+    runs: dict[tuple[str, bool], list] = {}
+    for name, (dcfg, load, _) in workloads.items():
+        requests = generate(dcfg, min(engines[True].spec.vocab_size, 256), special)
+        for rep in range(args.repeats):
+            for caching, engine in engines.items():
+                run = run_engine(engine, requests, load, salt=f"{name}-{caching}-{rep}")
+                runs.setdefault((name, caching), []).append(run)
+                print(f"{name} repeat {rep} caching {'on' if caching else 'off'}: "
+                      f"{json.dumps(summarize([run], 1024))}", flush=True)
     rows = []
-    for caching in (True, False):
-        engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=16, max_num_batched_tokens=512,
-                                        chunk_size=512, enable_prefix_caching=caching))
-        special = tuple(t for t in (engine.spec.bos_token_id, engine.spec.eos_token_id) if t is not None)
-        for name, (dcfg, load, out_len) in workloads.items():
-            requests = generate(dcfg, min(engine.spec.vocab_size, 256), special)
-            run = run_engine(engine, requests, load, salt=f"{name}-{caching}")
-            row = {"workload": name, "prefix_caching": caching, **summarize(run, 1024)}
-            if args.profile and caching:
-                concurrency = args.conversations if name == "multi-turn" else None
-                rate = args.shared_rate if name == "shared-prefix" else None
-                row.update(predict_ttft(args.model, args.profile, row, concurrency, rate, out_len, engine,
-                                        [r.arrival for r in run.records]))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    for (name, caching), setting_runs in runs.items():
+        row = {"workload": name, "prefix_caching": caching, **summarize(setting_runs, 1024)}
+        if args.profile and caching:
+            _, load, out_len = workloads[name]
+            concurrency = args.conversations if name == "multi-turn" else None
+            rate = args.shared_rate if name == "shared-prefix" else None
+            one_run = {**row, "completed": row["completed"] // len(setting_runs)}  # what one repeat served
+            row.update(predict_ttft(args.model, args.profile, one_run, concurrency, rate, out_len, engines[True],
+                                    [r.arrival for r in setting_runs[0].records]))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     for name in workloads:
         on = next(r for r in rows if r["workload"] == name and r["prefix_caching"])
         off = next(r for r in rows if r["workload"] == name and not r["prefix_caching"])
         key = "mean_ttft_long_history_ms" if name == "multi-turn" and on["long_history_requests"] else "mean_ttft_ms"
-        print(f"{name}: {key} off/on = {off[key]:.0f}/{on[key]:.0f} ms = {off[key] / on[key]:.1f}x, "
+        per_repeat = [summarize([b], 1024)[key] / summarize([a], 1024)[key]
+                      for a, b in zip(runs[(name, True)], runs[(name, False)], strict=True)]
+        print(f"{name}: per repeat {', '.join(f'{x:.1f}x' for x in per_repeat)}; pooled "
+              f"{key} off/on = {off[key]:.0f}/{on[key]:.0f} ms = {off[key] / on[key]:.1f}x, "
               f"hit rate {on['hit_rate']:.1%}"
               + (f"; mean TTFT on {on['mean_ttft_ms']:.0f} ms, planner {on['predicted_mean_ttft_ms']:.0f} ms "
                  f"(simulated {on['simulated_mean_ttft_ms']:.0f} ms)" if "predicted_mean_ttft_ms" in on else ""))
