@@ -10,7 +10,11 @@ at several concurrencies. HF runs `generate` with static batches (greedy, KV cac
 
 With `--profile` (from `jaxserve calibrate`), each row also gets the decode floor: the bytes one step reads
 (weights, plus every sequence's KV at its mean context over the run) over the profile's measured memory
-bandwidth, and the measured TPOT as a multiple of it.
+bandwidth, and the measured TPOT as a multiple of it. With `--measure-bandwidth` the bandwidth is measured
+instead right around each timed run (calibrate's 1 GiB streaming sum, just before and just after; the floor uses
+their mean), so the floor and the TPOT see the same machine: its bandwidth drifts 10-20% within an hour.
+
+    python scripts/bench_vs_hf.py --skip-hf --batches 1 --measure-bandwidth --async-scheduling
 """
 
 from __future__ import annotations
@@ -68,10 +72,13 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--async-scheduling", action="store_true", help="jaxserve schedules one step ahead")
     ap.add_argument("--profile", default=None, help="calibrated hardware profile: report TPOT / bandwidth floor")
+    ap.add_argument("--measure-bandwidth", action="store_true",
+                    help="floor from bandwidth measured just before and after each timed run (not --profile's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     from jaxserve import LLM, SamplingParams
+    from jaxserve.calibrate import measure_bandwidth
     from planner.model_spec import load_model_spec
 
     spec = load_model_spec(args.model)
@@ -90,9 +97,12 @@ def main() -> None:
         prompts = [rng.integers(0, 256, args.prompt_len).tolist() for _ in range(b)]
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # same shapes, warm
         llm.engine.kv_manager.reset_prefix_cache()
+        before = measure_bandwidth(2**30) if args.measure_bandwidth else None
         t = time.perf_counter()
         outs = llm.generate(prompts, params)
         wall = time.perf_counter() - t
+        if before is not None:
+            bandwidth = (before + measure_bandwidth(2**30)) / 2
         tpot = float(np.mean([o.metrics.tpot for o in outs]))
         row = {"batch": b, "jaxserve_e2e_s": wall, "jaxserve_tpot_ms": tpot * 1e3,
                "jaxserve_tokens_per_s": b * args.new_tokens / wall,
