@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxserve.bench.datasets import DatasetConfig, generate
 from jaxserve.bench.latency import measure_point
-from jaxserve.bench.load import LoadConfig, RunResult, run_engine
+from jaxserve.bench.load import LoadConfig, RunResult, StepRecord, run_engine
 from jaxserve.bench.results import compute_metrics, finite
 
 Log = Callable[[str], None]
@@ -211,26 +211,33 @@ def run_loads(ctx: Context) -> list[dict[str, Any]]:
     return rows
 
 
+def predict_step_s(ctx: Context, step: StepRecord) -> float | None:
+    """The step model's time for one measured step, from its own shape (the engine's StepStats: decode
+    contexts, prefill chunks) at its padded token count (the engine's bucket); None for an empty step."""
+    from planner.step_model import StepShape, decode_shape, pad_tokens, prefill_shape, step_time_shape
+
+    shape = StepShape()
+    if step.num_decodes:  # decode_shape charges context + 1 per sequence; the engine counts KV incl. the new token
+        shape = decode_shape(step.num_decodes, max(0.0, step.decode_context_tokens / step.num_decodes - 1))
+    for q, done in step.prefill_chunks:
+        shape = shape + prefill_shape(q, done)
+    if shape.num_tokens == 0:
+        return None
+    return step_time_shape(ctx.spec, ctx.hw, shape, dtype=ctx.dtype,
+                           padded_tokens=pad_tokens(shape.num_tokens, ctx.engine.runner.token_buckets)).total_s
+
+
 def _step_check(ctx: Context, run: RunResult) -> dict[str, float | None]:
     """Step-level check of a load run: measured step time over the step model's, median per kind of step.
 
-    Each step is predicted from its own shape (the engine's StepStats: decode contexts, prefill chunks) at
-    its padded token count (the engine's bucket): an
-    error here is the step model's; an error only in TTFT/TPOT is the serving model's (queueing, batching).
+    Each step is predicted from its own shape (`predict_step_s`): an error here is the step model's; an error
+    only in TTFT/TPOT is the serving model's (queueing, batching).
     """
-    from planner.step_model import StepShape, decode_shape, pad_tokens, prefill_shape, step_time_shape
-
     ratios: dict[str, list[float]] = {"decode": [], "mixed": []}
     for s in run.steps:
-        shape = StepShape()
-        if s.num_decodes:  # decode_shape charges context + 1 per sequence; the engine counts KV incl. the new token
-            shape = decode_shape(s.num_decodes, max(0.0, s.decode_context_tokens / s.num_decodes - 1))
-        for q, done in s.prefill_chunks:
-            shape = shape + prefill_shape(q, done)
-        if shape.num_tokens == 0 or s.duration <= 0:
+        pred = predict_step_s(ctx, s)
+        if pred is None or s.duration <= 0:
             continue
-        pred = step_time_shape(ctx.spec, ctx.hw, shape, dtype=ctx.dtype,
-                               padded_tokens=pad_tokens(shape.num_tokens, ctx.engine.runner.token_buckets)).total_s
         ratios["mixed" if s.num_prefill_tokens else "decode"].append(s.duration / pred)
     decodes = [s.num_decodes for s in run.steps]
     return {"measured_over_predicted_decode_step": float(np.median(ratios["decode"])) if ratios["decode"] else None,

@@ -159,7 +159,8 @@ def test_one_token_step(heads, kv_heads, decode_mode):
         k_cache = rng.standard_normal((NUM_PAGES, PAGE_SIZE, kv_heads, D), dtype=np.float32)
         v_cache = rng.standard_normal((NUM_PAGES, PAGE_SIZE, kv_heads, D), dtype=np.float32)
         meta = AttentionMetadata(**{k: jnp.asarray(v) for k, v in m.items()})
-        out = np.asarray(attention_fn(8, 8, decode_mode)(jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache), meta))
+        fn = attention_fn(8, 8, decode_mode)
+        out = np.asarray(fn(jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache), meta))
         np.testing.assert_allclose(out, dense_reference(q, k_cache, v_cache, m, D**-0.5), atol=2e-5, rtol=2e-5)
 
 

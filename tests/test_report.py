@@ -125,6 +125,7 @@ def test_decode_gaps_are_attributed_to_their_steps():
     rec = RequestRecord(prompt_len=4, success=True, output_len=4, role="decode")
     run = RunResult(records=[rec, RequestRecord(prompt_len=9, role="long")], duration=1.0, steps=steps,
                     token_times=[[0.09, 0.19, 0.49, 0.59], [0.49]])
-    gaps, quiet = decode_gaps(run)
+    gaps, quiet, quiet_steps = decode_gaps(run)
     assert gaps == pytest.approx([100.0, 300.0, 100.0])
     assert quiet == pytest.approx([100.0, 100.0])
+    assert quiet_steps == [1, 3]  # the steps that produced the later token of each quiet gap
