@@ -23,7 +23,6 @@ from jaxserve.model.metadata import AttentionMetadata
 from jaxserve.model.paged_attention import (
     DEFAULT_DECODE_KV_BLOCK,
     DEFAULT_DECODE_TAIL_BLOCK,
-    DEFAULT_KV_BLOCK,
     DEFAULT_Q_BLOCK,
     paged_attention,
 )
@@ -72,7 +71,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=8192)
-    ap.add_argument("--kv-block", type=int, default=DEFAULT_KV_BLOCK)
+    ap.add_argument("--kv-block", type=int, default=None, help="default: the runtime's for this backend")
     ap.add_argument("--q-block", type=int, default=DEFAULT_Q_BLOCK)
     ap.add_argument("--decode-kv-block", type=int, default=DEFAULT_DECODE_KV_BLOCK)
     ap.add_argument("--decode-tail-block", type=int, default=DEFAULT_DECODE_TAIL_BLOCK)

@@ -42,21 +42,11 @@ import jax
 if jax.devices()[0].platform == "cpu":
     print("warning: no accelerator found; this run measures the CPU", flush=True)
 
-from jaxserve.calibrate import CalibrationConfig
-from jaxserve.report import ReportConfig, run_report
+from jaxserve.report import run_report
+from scripts.gpu_config import report_config
 
 out = sys.argv[1]
-cfg = ReportConfig(
-    model="synthetic-1b", dtype="bfloat16", max_num_seqs=64, batch_sizes=(1, 16, 64), context_lens=(512, 2048),
-    grid_output_len=32, load_input_len=512, load_output_len=128, load_num_prompts=200, long_prompt_len=4096,
-    long_decodes=8, long_decode_input=256, long_tail_tokens=32, kv_cache_memory=24 * 2**30,
-    # Five token buckets, not fourteen: each costs a GPU compile, and padding a small step is nearly free on a
-    # GPU (ridge point ~300 FLOP/byte); prefill steps pay for their padding (the planner does not model it).
-    token_buckets=(32, 128, 512, 2048, 4160),
-    calibration=CalibrationConfig(
-        prefill_lens=(64, 256, 1024, 2048, 4096), decode_batches=(1, 8, 32, 64), decode_contexts=(256, 2048),
-        decode_steps=8, max_decode_prompt_tokens=2**17, mixed_decodes=8, mixed_prompt_len=2048, mixed_chunk=512,
-        gemm_rows=(1, 16, 64, 256, 1024, 4096), bandwidth_bytes=2**30, matmul_n=8192, repeats=3))
+cfg = report_config()
 t0 = time.monotonic()
 report = run_report(cfg, out, log=lambda m: print(f"[{time.monotonic() - t0:6.1f} s] {m}", flush=True))
 print(open(f"{out}/report.md").read())

@@ -114,7 +114,7 @@ def test_only_decodes_and_only_prefill(heads, kv_heads):
 
 def test_block_sizes_do_not_change_result():
     rng = np.random.default_rng(3)
-    for kv_block, q_block in [(4, 4), (16, 32), (256, 128)]:
+    for kv_block, q_block in [(4, 4), (16, 32), (256, 128), (2048, 128)]:  # 2048: the default off a CPU
         check(rng, 4, 2, [30, 3], [(14, 5), (7, 0)], kv_block=kv_block, q_block=q_block)
 
 

@@ -21,6 +21,10 @@ from jaxserve.model.metadata import AttentionMetadata
 
 # KV tokens per inner block (rounded to whole pages) and query rows per prefill block.
 DEFAULT_KV_BLOCK = 256
+# Off a CPU a prefill block reads 2048 keys: XLA's GPU runtime reads each loop iteration's condition back to the
+# host, so a 16-row chunk over a 4k-token history paid ~17 round trips per layer in 256-key blocks, and the
+# chunked-prefill ITL on an H200 was 2.2-2.6x the undisturbed TPOT (BUILD.md, "On a GPU").
+ACCELERATOR_KV_BLOCK = 2048
 DEFAULT_Q_BLOCK = 128
 DEFAULT_SMALL_Q_BLOCK = 16
 DEFAULT_DECODE_KV_BLOCK = 512
@@ -180,7 +184,7 @@ def _prefill_block(qb: jax.Array, q_pos0: jax.Array, k_cache: jax.Array, v_cache
 
 
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata,
-                    scale: float, *, kv_block: int = DEFAULT_KV_BLOCK, q_block: int = DEFAULT_Q_BLOCK,
+                    scale: float, *, kv_block: int | None = None, q_block: int = DEFAULT_Q_BLOCK,
                     decode_kv_block: int = DEFAULT_DECODE_KV_BLOCK, decode_tail_block: int = DEFAULT_DECODE_TAIL_BLOCK,
                     decode_mode: str = "auto", small_q_block: int = DEFAULT_SMALL_Q_BLOCK) -> jax.Array:
     """Causal attention of ragged queries q [T, H, D] over paged K/V (already holding this step's tokens).
@@ -190,11 +194,15 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: 
     in `decode_tail_block` blocks) or go all at once over blocks up to the longest
     context (`"batched"`, fewer and larger ops, for GPUs); "auto" picks loop on CPU, batched elsewhere.
     Prefill chunks loop over query blocks of `q_block` or `small_q_block` rows, whichever pads the chunk to
-    less work, and, for each, over the KV blocks up to the causal limit. Rows of padded tokens come back as zeros.
+    less work, and, for each, over `kv_block`-token KV blocks up to the causal limit (by default 256 on CPU,
+    2048 elsewhere). Rows of padded tokens come back as zeros.
     """
     t, h, d = q.shape
     page_size, kvh = k_cache.shape[1], k_cache.shape[2]
     g = h // kvh
+    on_cpu = jax.default_backend() == "cpu"
+    if kv_block is None:
+        kv_block = DEFAULT_KV_BLOCK if on_cpu else ACCELERATOR_KV_BLOCK
     block_pages = max(1, kv_block // page_size)
     decode_block_pages = max(1, decode_kv_block // page_size)
     tail_pages = max(1, min(decode_block_pages, decode_tail_block // page_size))
@@ -204,7 +212,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: 
     out = jnp.zeros((t + q_block, kvh, g, d), jnp.float32)
 
     if decode_mode == "auto":
-        decode_mode = "loop" if jax.default_backend() == "cpu" else "batched"
+        decode_mode = "loop" if on_cpu else "batched"
     if t == 1:  # a one-token step is one query at the end of its sequence (or padding, when num_seqs is 0)
         if decode_mode == "batched":
             # One loop over decode_kv_block blocks: on a GPU each loop iteration waits for the host to read its

@@ -1,0 +1,23 @@
+"""The report configuration of the prepared GPU scripts (`gpu_report.sh`, `gpu_chunked.sh`): `synthetic-1b` in bf16.
+
+Five token buckets, not fourteen: each costs a GPU compile, and padding a small step is nearly free on a GPU
+(ridge point ~300 FLOP/byte); prefill steps pay for their padding (the planner does not model it).
+"""
+
+from __future__ import annotations
+
+from jaxserve.calibrate import CalibrationConfig
+from jaxserve.report import ReportConfig
+
+
+def report_config(model: str = "synthetic-1b", dtype: str = "bfloat16", kv_gib: float = 24) -> ReportConfig:
+    """What both GPU scripts run: grid 1/16/64 x 512/2048, two loads, a 4096-token prompt beside 8 decodes."""
+    return ReportConfig(
+        model=model, dtype=dtype, max_num_seqs=64, batch_sizes=(1, 16, 64), context_lens=(512, 2048),
+        grid_output_len=32, load_input_len=512, load_output_len=128, load_num_prompts=200, long_prompt_len=4096,
+        long_decodes=8, long_decode_input=256, long_tail_tokens=32, kv_cache_memory=int(kv_gib * 2**30),
+        token_buckets=(32, 128, 512, 2048, 4160),
+        calibration=CalibrationConfig(
+            prefill_lens=(64, 256, 1024, 2048, 4096), decode_batches=(1, 8, 32, 64), decode_contexts=(256, 2048),
+            decode_steps=8, max_decode_prompt_tokens=2**17, mixed_decodes=8, mixed_prompt_len=2048, mixed_chunk=512,
+            gemm_rows=(1, 16, 64, 256, 1024, 4096), bandwidth_bytes=2**30, matmul_n=8192, repeats=3))
