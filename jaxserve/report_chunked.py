@@ -22,6 +22,7 @@ import numpy as np
 from jaxserve.bench.datasets import DatasetConfig, generate
 from jaxserve.bench.load import LoadConfig, RunResult, run_engine
 from jaxserve.calibrate_steps import step_budget
+from jaxserve.report_loads import predict_step_s
 
 WARM_TOKENS = 8
 
@@ -54,7 +55,6 @@ def _predicted_gaps(undisturbed_ms: float, stalls_ms: list[float], gaps_per_requ
 
 def run_chunked(ctx) -> list[dict[str, Any]]:
     """Rows for the chunked and the unchunked long-prompt runs (see the module docstring)."""
-    from jaxserve.report import predict_step_s
     from planner.api import choose_chunk_size, chunked_prefill_itls
     from planner.step_model import decode_shape, step_time_shape
 
