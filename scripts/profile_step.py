@@ -2,6 +2,7 @@
 
     python scripts/profile_step.py --model small --batch 1
     python scripts/profile_step.py --model small --batch 1 --async-scheduling
+    python scripts/profile_step.py --model small --batch 64 --top-p 0.9        # nucleus sampling on every row
 
 Runs `--batch` requests of `--prompt-len`-token prompts (default 128) to steady decode, then times `--steps`
 engine steps: the wait for the device (forward + sampler) and the rest (scheduling, batch layout, dispatch, stop
@@ -27,6 +28,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--kv-cache-gib", type=float, default=None,
                     help="KV pool size; a step's time must not grow with it (the pool is donated, not copied)")
     args = ap.parse_args()
@@ -42,7 +45,10 @@ def main() -> None:
                                     kv_cache_memory=kv, warmup=False,
                                     async_scheduling=args.async_scheduling))
     runner = engine.runner
-    params = SamplingParams(temperature=0, max_tokens=2048, ignore_eos=True)
+    # Just enough tokens for the steps below: the scheduler reserves KV pages for a share of each request's
+    # remaining max_tokens, and 2048 of them let only 28 of 64 requests run at once in a 1 GiB pool.
+    params = SamplingParams(temperature=args.temperature or (1.0 if args.top_p < 1 else 0.0), top_p=args.top_p,
+                            max_tokens=args.steps + 64, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(f"p{i}", [(i + j) % 1000 + 1 for j in range(args.prompt_len)], params)
     engine.step()
@@ -50,6 +56,7 @@ def main() -> None:
         engine.step()
     for _ in range(3):
         engine.step()
+    decoding = engine.last_step.num_decode_tokens
     waits: list[float] = []
     collect = runner.collect
 
@@ -91,7 +98,7 @@ def main() -> None:
     pool_gib = sum(a.nbytes for a in jax.tree.leaves(runner.kv_caches)) / 2**30
     dtype = jax.tree.leaves(runner.kv_caches)[0].dtype
     mode = "async scheduling" if args.async_scheduling else "sync"
-    print(f"{args.model} ({dtype}, KV pool {pool_gib:.2f} GiB, {mode}), {args.batch} decoding: "
+    print(f"{args.model} ({dtype}, KV pool {pool_gib:.2f} GiB, {mode}), {decoding} decoding: "
           f"step {step * 1e3:.1f} ms = device wait {wait * 1e3:.1f} ms + "
           f"host {(step - wait) * 1e3:.1f} ms; alone: forward {fwd * 1e3:.1f} ms, logits+sampling {smp * 1e3:.1f} ms")
 

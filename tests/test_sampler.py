@@ -1,6 +1,7 @@
 """The batched sampler: filters, seeds and logprobs, on hand-made logits."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -79,3 +80,26 @@ def test_logprobs_are_of_the_model_distribution(logits):
     np.testing.assert_allclose(lp, ref[np.arange(4), tokens], rtol=1e-5, atol=1e-5)
     assert (top_ids[:, 0] == tokens).all()
     np.testing.assert_allclose(top_lp[:, :3], -np.sort(-ref, axis=-1)[:, :3], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [7, 300, 32000])
+def test_the_cpu_search_cuts_where_the_sort_does(vocab):
+    """The sort-free filter (CPU) keeps the sort's tokens: exactly for top-k and min-p; for top-p up to float
+    rounding of the cumulative mass, which moves only tokens of negligible probability."""
+    from jaxserve.sampler import _filter_threshold, _filter_threshold_search
+
+    rng = np.random.default_rng(vocab)
+    for _ in range(10):
+        x = rng.standard_normal((6, vocab), dtype=np.float32) * rng.uniform(0.2, 5)
+        top_k = np.array([0, 1, 3, vocab, 0, 2], np.int32)
+        top_p = np.array([1.0, 1.0, 1.0, 0.9, 0.5, 0.7], np.float32)
+        min_p = np.array([0.1, 0.0, 0.0, 0.0, 0.0, 0.05], np.float32)
+        cuts = [np.asarray(jax.jit(f)(jnp.asarray(x), top_k, top_p, min_p))
+                for f in (_filter_threshold, _filter_threshold_search)]
+        kept_sort, kept_search = (x >= c[:, None] for c in cuts)
+        np.testing.assert_array_equal(kept_sort[:3], kept_search[:3])  # min-p, top-k 1 and 3: no sums involved
+        prob = np.exp(x - x.max(-1, keepdims=True))
+        prob /= prob.sum(-1, keepdims=True)
+        moved = np.where(kept_sort != kept_search, prob, 0.0).sum(-1)
+        assert (moved < 1e-4).all(), moved
+        assert kept_search.any(-1).all()
