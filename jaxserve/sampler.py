@@ -86,7 +86,7 @@ def _largest_key(keys: jax.Array, weights: jax.Array, need: jax.Array) -> jax.Ar
 
 def _filter_threshold_search(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
     """`_filter_threshold` without the sort: each filter's cut found by a bitwise search over the values' order
-    keys (O(32 x vocab) per row). XLA's CPU sort of 32k logits took ~5 ms a row: 332 ms a step for 64 top-p
+    keys (O(32 x vocab) per row). XLA's CPU sort of 32k logits took ~5 ms a row: 332 ms of sampling for 64 top-p
     rows; with this the whole 64-row step took 112 ms instead of 424 (`python scripts/profile_step.py --model
     small --batch 64 --top-p 0.9`)."""
     vocab = scaled.shape[-1]
