@@ -28,6 +28,14 @@ def test_greedy_rows_take_the_argmax(logits):
     assert (tokens == logits.argmax(-1)).all()
 
 
+def test_greedy_ties_take_the_first_maximum():
+    tied = np.zeros((3, 50), np.float32)
+    tied[0, [7, 3, 40]] = 5.0  # first of three equal maxima: 3
+    tied[1, [49, 48]] = 1.0
+    tokens, *_ = draw(tied, [(SamplingParams(temperature=0), 0, 0)] * 3)
+    assert tokens.tolist() == [3, 48, 0] == tied.argmax(-1).tolist()
+
+
 def test_a_seeded_row_draws_the_same_token_whatever_its_neighbours(logits):
     p = SamplingParams(temperature=1.0, seed=7)
     alone, *_ = draw(logits[:1], [(p, 7, 3)])
