@@ -40,3 +40,5 @@ def test_bench_rejects_bad_flags():
     assert res.exit_code != 0
     res = CliRunner().invoke(cli, ["bench", "latency", "--batch-sizes", "a,b"])
     assert res.exit_code != 0
+    res = CliRunner().invoke(cli, ["bench", "serve", "--top-p", "1.5"])
+    assert res.exit_code == 2 and "top_p must be in (0, 1]" in res.output and "Traceback" not in res.output

@@ -116,3 +116,23 @@ def test_http_errors_become_failed_requests():
     run = run_http("http://mock", _reqs("random", num_prompts=2), LoadConfig(), model="m", transport=transport)
     assert all(not r.success and "HTTP 400" in r.error for r in run.records)
     assert compute_metrics(run.records, run.duration)["failed"] == 2
+
+
+def test_sampling_flags_reach_the_engine_and_the_server(tiny_llm):
+    """Nucleus sampling with a seeded engine still gives exact lengths; over HTTP the flags go in the body,
+    top_k and min_p (vLLM's extensions) only when set; bad values fail where the flags are read."""
+    reqs = _reqs("random", num_prompts=3)
+    load = LoadConfig(temperature=0.8, top_p=0.9)
+    run = run_engine(tiny_llm.engine, reqs, load, salt="t-sampling")
+    assert [r.output_len for r in run.records] == [5, 5, 5] and all(r.success for r in run.records)
+    bodies = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(400, json={"error": {"message": "recorded"}})
+
+    run_http("http://mock", reqs[:1], load, model="m", transport=httpx.MockTransport(handler))
+    assert bodies[0]["temperature"] == 0.8 and bodies[0]["top_p"] == pytest.approx(0.9)
+    assert "top_k" not in bodies[0] and "min_p" not in bodies[0]
+    with pytest.raises(ValueError, match="top_p"):
+        LoadConfig(top_p=0.0)

@@ -107,10 +107,15 @@ def _engine_dict(config) -> dict:
 @click.option("--goodput", multiple=True, help="SLOs for goodput, e.g. --goodput ttft:500 --goodput tpot:50 (ms).")
 @click.option("--metric-percentiles", default="99", show_default=True, help="Comma-separated percentiles.")
 @click.option("--save-result", type=click.Path(dir_okay=False), default=None, help="Write the result JSON here.")
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="Sampling of every request: 0 greedy.")
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--top-k", default=-1, show_default=True, type=int, help="-1: off.")
+@click.option("--min-p", default=0.0, show_default=True, type=float)
 def serve_bench(base_url: str | None, served_model_name: str | None, dataset_name: str, num_prompts: int,
                 input_len: int, output_len: int, range_ratio: float, prefix_len: int, num_prefixes: int, turns: int,
                 long_prompt_len: int, request_rate: str, burstiness: float, max_concurrency: int | None,
-                goodput: tuple[str, ...], metric_percentiles: str, save_result: str | None, **options) -> None:
+                goodput: tuple[str, ...], metric_percentiles: str, save_result: str | None, temperature: float,
+                top_p: float, top_k: int, min_p: float, **options) -> None:
     """Online load in vLLM's style; prints the "Serving Benchmark Result" summary."""
     from jaxserve.bench.datasets import DatasetConfig, generate
     from jaxserve.bench.load import LoadConfig
@@ -124,7 +129,8 @@ def serve_bench(base_url: str | None, served_model_name: str | None, dataset_nam
         dcfg = DatasetConfig(name=dataset_name, num_prompts=num_prompts, input_len=input_len, output_len=output_len,
                              range_ratio=range_ratio, prefix_len=prefix_len, num_prefixes=num_prefixes, turns=turns,
                              long_prompt_len=long_prompt_len, seed=seed)
-        load = LoadConfig(request_rate=rate, burstiness=burstiness, max_concurrency=max_concurrency, seed=seed)
+        load = LoadConfig(request_rate=rate, burstiness=burstiness, max_concurrency=max_concurrency, seed=seed,
+                          temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     vocab, avoid = _vocab(model)
@@ -141,7 +147,8 @@ def serve_bench(base_url: str | None, served_model_name: str | None, dataset_nam
     result.update({"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": backend, "model_id": model,
                    "base_url": base_url, "dataset_name": dataset_name, "num_prompts": num_prompts,
                    "request_rate": rate if math.isfinite(rate) else "inf", "burstiness": burstiness,
-                   "max_concurrency": max_concurrency, "goodput_slos_ms": slos or None})
+                   "max_concurrency": max_concurrency, "goodput_slos_ms": slos or None,
+                   "sampling": {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}})
     click.echo(format_summary({**result, "request_rate": rate if math.isfinite(rate) else None}, percentiles))
     if save_result:
         Path(save_result).write_text(json.dumps(finite(result)) + "\n")

@@ -20,9 +20,18 @@ from jaxserve.bench.load import LoadConfig, RunResult, arrival_offsets
 from jaxserve.bench.results import RequestRecord
 
 
+def _sampling_fields(load: LoadConfig) -> dict:
+    """temperature always; top_p, top_k and min_p only when set (top_k and min_p are vLLM's extensions)."""
+    out: dict = {"temperature": load.temperature}
+    for name, off in (("top_p", 1.0), ("top_k", -1), ("min_p", 0.0)):
+        if getattr(load, name) != off:
+            out[name] = getattr(load, name)
+    return out
+
+
 async def _one(client, url: str, model: str, req: SampleRequest, arrival: float, start: float,
-               progress: list[int], i: int) -> RequestRecord:
-    body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
+               progress: list[int], i: int, sampling: dict) -> RequestRecord:
+    body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, **sampling,
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}, "logprobs": 0}
     rec = RequestRecord(prompt_len=req.prompt_len, arrival=arrival - start, role=req.role)
     times: list[float] = []
@@ -70,6 +79,7 @@ async def _run(base_url: str, model: str | None, requests: Sequence[SampleReques
     sem = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
     done_events = [asyncio.Event() for _ in requests]
     progress = [0] * len(requests)
+    sampling = _sampling_fields(load)
     records: list[RequestRecord | None] = [None] * len(requests)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits, transport=transport) as client:
@@ -91,7 +101,8 @@ async def _run(base_url: str, model: str | None, requests: Sequence[SampleReques
             if sem is not None:
                 await sem.acquire()
             try:
-                records[i] = await _one(client, url, model, requests[i], time.perf_counter(), start, progress, i)
+                records[i] = await _one(client, url, model, requests[i], time.perf_counter(), start, progress, i,
+                                        sampling)
             finally:
                 if sem is not None:
                     sem.release()

@@ -27,8 +27,21 @@ class LoadConfig:
     burstiness: float = 1.0  # gamma shape of the gaps; 1 = Poisson, < 1 burstier, > 1 smoother
     max_concurrency: int | None = None
     seed: int = 0
+    # Sampling of every request (vLLM's bench flags); the default is greedy.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+
+    def sampling(self, max_tokens: int):
+        """The requests' SamplingParams (exact lengths: ignore_eos)."""
+        from jaxserve.sampling_params import SamplingParams
+
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                              max_tokens=max_tokens, ignore_eos=True)
 
     def __post_init__(self) -> None:
+        self.sampling(1)  # the sampling flags' own checks (ValueError)
         if not self.request_rate > 0:
             raise ValueError(f"request rate must be positive or inf, got {self.request_rate}")
         if not self.burstiness > 0:
@@ -138,12 +151,10 @@ def _with_previous_answer(requests: Sequence[SampleRequest], i: int, answers: di
 
 def run_engine(engine, requests: Sequence[SampleRequest], load: LoadConfig, *, salt: str = "",
                on_step: Callable[[int], None] | None = None) -> RunResult:
-    """Drive `engine` (an LLMEngine) with `requests` sent as `load` says; greedy, ignore_eos, exact lengths.
+    """Drive `engine` (an LLMEngine) with `requests` sent as `load` says (its sampling; ignore_eos, exact lengths).
 
     `salt` keeps runs' prompts from hitting each other's prefix cache (pass a fresh one per run).
     """
-    from jaxserve.sampling_params import SamplingParams
-
     clock = engine.clock
     offsets = arrival_offsets(len(requests), load.request_rate, load.burstiness, load.seed)
     gate = _Gate(requests, load.max_concurrency)
@@ -166,7 +177,7 @@ def run_engine(engine, requests: Sequence[SampleRequest], load: LoadConfig, *, s
             req = requests[i]
             rid = f"bench{salt}-{i}"
             arrival = max(start + offsets[i], ready, gate.slot_ready if load.max_concurrency else -math.inf)
-            params = SamplingParams(temperature=0.0, max_tokens=req.output_len, ignore_eos=True)
+            params = load.sampling(req.output_len)
             try:
                 engine.add_request(rid, _with_previous_answer(requests, i, answers, sent), params,
                                    arrival_time=min(arrival, now),
