@@ -89,7 +89,7 @@ def main() -> None:
                                    decode_tail_block=args.decode_tail_block))
     kv_token_bytes = 2 * kvh * d * 4
     print(f"# {args.model}: {h} heads, {kvh} kv heads, head_dim {d}, page {args.page_size}, "
-          f"kv_block {args.kv_block}, q_block {args.q_block}, "
+          f"kv_block {args.kv_block or 'auto'}, q_block {args.q_block}, "
           f"decode_kv_block {args.decode_kv_block} (tail {args.decode_tail_block}) "
           f"({args.decode_mode}), "
           f"backend {jax.default_backend()}")
