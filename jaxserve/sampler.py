@@ -129,9 +129,9 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
         keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seed, step)
         u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
         scaled = logits / jnp.where(sampling, temperature, 1.0)[:, None]
-        needs_sort = jnp.any(sampling & ((top_k > 0) | (top_p < 1.0) | (min_p > 0)))
+        needs_cut = jnp.any(sampling & ((top_k > 0) | (top_p < 1.0) | (min_p > 0)))
         cut = _filter_threshold_search if jax.default_backend() == "cpu" else _filter_threshold
-        threshold = jax.lax.cond(needs_sort, lambda: cut(scaled, top_k, top_p, min_p),
+        threshold = jax.lax.cond(needs_cut, lambda: cut(scaled, top_k, top_p, min_p),
                                  lambda: jnp.full(scaled.shape[:1], -jnp.inf, scaled.dtype))
         return jnp.where(sampling, _draw(jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf), u), greedy)
 

@@ -10,6 +10,7 @@ it has text or logprob tokens.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import time
@@ -21,11 +22,12 @@ from jaxserve.bench.results import RequestRecord
 
 
 def _sampling_fields(load: LoadConfig) -> dict:
-    """temperature always; top_p, top_k and min_p only when set (top_k and min_p are vLLM's extensions)."""
+    """temperature always; top_p, top_k and min_p only when not at LoadConfig's (off) defaults: top_k and min_p
+    are vLLM's extensions, which a strict OpenAI server may refuse."""
+    defaults = {f.name: f.default for f in dataclasses.fields(LoadConfig)}
     out: dict = {"temperature": load.temperature}
-    for name, off in (("top_p", 1.0), ("top_k", -1), ("min_p", 0.0)):
-        if getattr(load, name) != off:
-            out[name] = getattr(load, name)
+    out.update({name: getattr(load, name) for name in ("top_p", "top_k", "min_p")
+                if getattr(load, name) != defaults[name]})
     return out
 
 
