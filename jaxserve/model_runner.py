@@ -60,10 +60,13 @@ def half_octave_ladder(limit: int, start: int = 1) -> tuple[int, ...]:
 
 
 def default_token_ladder(limit: int) -> tuple[int, ...]:
-    """The engine's token buckets when none are configured: half-octave steps above 64 tokens, quarter-octave
-    steps above 256 (..., 256, 320, 384, 448, 512, 640, ...), where a prefill step's matmuls are compute-bound
-    on a CPU and every padded token costs as much as a real one."""
-    out = {b for b in half_octave_ladder(limit, start=64) if b <= 256}
+    """The engine's token buckets when none are configured: powers of two to 16, half-octave steps above
+    (16, 24, 32, 48, 64, 96, ...), quarter-octave steps above 256 (..., 256, 320, 384, 448, 512, 640, ...).
+
+    Above ~8 rows a CPU step's matmuls are no longer bound by reading the weights, so padded rows cost time:
+    20 decodes ran the `small` forward in 28.3 ms at a 24-token bucket against 32.1 ms at 32 (BUILD.md); above
+    256 a prefill step is compute-bound and every padded token costs as much as a real one."""
+    out = {b for b in half_octave_ladder(limit, start=16) if b <= 256}
     b = 256
     while b < limit:
         out |= {b * k // 4 for k in (4, 5, 6, 7) if b * k // 4 < limit}

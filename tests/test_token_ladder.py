@@ -15,13 +15,13 @@ def test_default_ladder_bounds_padding(limit):
         assert b >= n
         if n > 256:
             assert b <= 1.25 * n + 1, (n, b)  # a prefill step above 256 tokens wastes at most a fifth
-        elif n > 64:
+        elif n > 16:
             assert b <= 1.5 * n + 1, (n, b)
 
 
 def test_ladders_for_a_2048_token_budget():
-    assert default_token_ladder(2048) == (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768,
-                                          896, 1024, 1280, 1536, 1792, 2048)
+    assert default_token_ladder(2048) == (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512,
+                                          640, 768, 896, 1024, 1280, 1536, 1792, 2048)
     assert half_octave_ladder(100) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 100)
     assert power_of_two_ladder(100) == (1, 2, 4, 8, 16, 32, 64, 100)
 

@@ -1,0 +1,33 @@
+"""The model's projections: the same products whichever CPU GEMM (Eigen or YNNPACK) a step's row count gets."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.model.llama import CPU_EIGEN_MAX_ROWS, linear
+
+
+@pytest.mark.parametrize("rows", [1, 2, CPU_EIGEN_MAX_ROWS, CPU_EIGEN_MAX_ROWS + 8, 64])
+def test_linear_is_a_matmul_over_the_leading_axis(rows: int) -> None:
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 64), dtype=np.float32)
+    w = rng.standard_normal((64, 2, 48), dtype=np.float32)  # a fused projection, as gate_up is
+    out = jax.jit(linear)(jnp.asarray(x), jnp.asarray(w))
+    assert out.shape == (rows, 2, 48)
+    np.testing.assert_allclose(np.asarray(out), np.einsum("th,hki->tki", x, w), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the routing is a CPU one")
+def test_a_few_rows_are_kept_away_from_ynnpack_on_cpu() -> None:
+    w = jnp.ones((256, 512), jnp.float32)
+
+    def compiled(rows: int) -> str:
+        return jax.jit(linear).lower(jnp.ones((rows, 256), jnp.float32), w).compile().as_text()
+
+    if "__ynn_fusion" not in compiled(64):
+        pytest.skip("this XLA does not hand dots to YNNPACK")
+    assert "__ynn_fusion" not in compiled(4)
+    assert "__ynn_fusion" not in compiled(CPU_EIGEN_MAX_ROWS)
