@@ -64,7 +64,7 @@ def default_token_ladder(limit: int) -> tuple[int, ...]:
     (16, 24, 32, 48, 64, 96, ...), quarter-octave steps above 256 (..., 256, 320, 384, 448, 512, 640, ...).
 
     Above ~8 rows a CPU step's matmuls are no longer bound by reading the weights, so padded rows cost time:
-    20 decodes ran the `small` forward in 28.3 ms at a 24-token bucket against 32.1 ms at 32 (BUILD.md); above
+    20 decodes ran the `small` forward in 30.2 ms at a 24-token bucket against 34.4 ms at 32 (BUILD.md); above
     256 a prefill step is compute-bound and every padded token costs as much as a real one."""
     out = {b for b in half_octave_ladder(limit, start=16) if b <= 256}
     b = 256

@@ -62,11 +62,11 @@ def _normals(key: jax.Array, shapes_stds: tuple[tuple[tuple[int, ...], float], .
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [T, in] times w [in, ...] -> [T, ...], on a CPU routed to the GEMM that is fastest for T rows.
 
-    XLA's CPU backend gives dots to YNNPACK, which runs the 2-16-row GEMMs of decode steps 19-26% slower than
-    Eigen on our CPU and the wider ones faster (a chain of `small`'s twelve layers of projections: 9.1 vs 11.2
-    ms at 4 rows, 11.1 vs 15.0 ms at 16, 22.7 vs 20.4 ms at 32; BUILD.md). YNNPACK declines a dot whose left
-    operand is column-major, so for those row counts x goes in transposed, behind an optimization barrier that
-    keeps XLA from folding the transpose back into the dot.
+    XLA's CPU backend gives dots to YNNPACK; on our CPU Eigen runs the 2-16-row GEMMs of decode steps faster
+    and YNNPACK the wider ones (`small`'s projections at 16 rows: 10.7 vs 14.4 ms, at 32: 21.9 vs 18.7; the
+    forward of 16 decodes 22.3 vs 24.3 ms, `python scripts/bench_forward_ab.py --batch 16 --eigen-max-rows 16,0`;
+    BUILD.md). YNNPACK declines a dot whose left operand is column-major, so for those row counts x goes in
+    transposed, behind an optimization barrier that keeps XLA from folding the transpose back into the dot.
     """
     t = x.shape[0]
     if 2 <= t <= CPU_EIGEN_MAX_ROWS and jax.default_backend() == "cpu":
