@@ -143,12 +143,15 @@ def measure_matmul(n: int, dtype: Any, repeats: int = 3) -> float:
 
 
 def measure_gemm_rows(rows: tuple[int, ...], k: int, n: int, dtype: Any, repeats: int = 3) -> list[dict[str, float]]:
-    """Time of x[M, k] @ W[k, n] per M (the model's fused gate/up shape): achieved FLOP/s and bytes/s."""
+    """Time of x[M, k] @ W[k, n] per M (the model's fused gate/up shape) as the model runs it (`linear`, which
+    picks the CPU GEMM by M): achieved FLOP/s and bytes/s."""
     import jax
     import jax.numpy as jnp
 
+    from jaxserve.model.llama import linear
+
     w = jnp.ones((k, n), dtype)
-    f = jax.jit(lambda x, y: x @ y)
+    f = jax.jit(linear)
     out = []
     for m in rows:
         x = jnp.ones((m, k), dtype)
