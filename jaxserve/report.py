@@ -212,7 +212,7 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
     """Build the engine, calibrate (or load `profile`), run every part, write json/md/png into `out_dir`."""
     from jaxserve.calibrate import CalibrationConfig, calibrate, planner_dtype
     from jaxserve.engine import LLMEngine
-    from jaxserve.report_chunked import run_chunked
+    from jaxserve.report_chunked import check_long_prompt_fits, run_chunked
     from jaxserve.report_disagg import run_disagg
     from jaxserve.report_loads import run_loads
     from jaxserve.report_render import write_markdown, write_plot
@@ -222,6 +222,7 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     engine = LLMEngine(cfg.engine_config())
+    check_long_prompt_fits(cfg, engine.max_model_len, engine.config.page_size)
     log(f"engine ready in {time.monotonic() - t0:.0f} s (budget {cfg.budget} tokens, buckets "
         f"{engine.runner.token_buckets})")
     calibration = None

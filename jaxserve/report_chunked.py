@@ -49,6 +49,16 @@ def decode_gaps(run: RunResult, decodes: int | None = None) -> tuple[list[float]
     return all_gaps, quiet, quiet_steps
 
 
+def check_long_prompt_fits(cfg, max_model_len: int, page_size: int) -> None:
+    """Raise ValueError if the long prompt and the most tokens it may be asked to generate (one per chunk of at
+    least a page, plus the warm-up and tail tokens) exceed the engine's context, before anything runs."""
+    most = cfg.long_prompt_len + WARM_TOKENS + math.ceil(cfg.long_prompt_len / page_size) + cfg.long_tail_tokens
+    if most > max_model_len:
+        raise ValueError(f"the chunked-prefill run needs up to {most} tokens of context (a {cfg.long_prompt_len}-token "
+                         f"prompt and its outputs) but the model's max_model_len is {max_model_len}: "
+                         f"lower --long-prompt-len")
+
+
 def _predicted_gaps(undisturbed_ms: float, stalls_ms: list[float], gaps_per_request: int) -> list[float]:
     return [undisturbed_ms] * max(0, gaps_per_request - len(stalls_ms)) + stalls_ms
 
@@ -86,6 +96,9 @@ def run_chunked(ctx) -> list[dict[str, Any]]:
         quiet_pred = float(np.median([t for t in replayed if t])) * 1e3 if any(replayed) else undisturbed
         pred_gaps = _predicted_gaps(quiet_pred, stalls, out_len - 1) * d  # pooled over the decodes, as measured
         long_rec = next(r for r in run.records if r.role == "long")
+        if not long_rec.success:
+            raise ValueError(f"the long prompt of the {label} run failed ({long_rec.error}): its ITL figures would "
+                             f"not show a prefill")
         meas = {"undisturbed": float(np.median(quiet)) if quiet else math.nan,
                 "p99": float(np.percentile(gaps, 99)) if gaps else math.nan, "max": max(gaps, default=math.nan)}
         pred = {"undisturbed": quiet_pred, "p99": float(np.percentile(pred_gaps, 99)), "max": max(pred_gaps)}

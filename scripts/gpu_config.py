@@ -8,13 +8,17 @@ from __future__ import annotations
 
 from jaxserve.calibrate import CalibrationConfig
 from jaxserve.report import ReportConfig
+from planner.api import resolve_model
 
 
 def report_config(model: str = "synthetic-1b", dtype: str = "bfloat16", kv_gib: float = 24) -> ReportConfig:
-    """What both GPU scripts run: grid 1/16/64 x 512/2048, two loads, a 4096-token prompt beside 8 decodes."""
+    """What both GPU scripts run: grid 1/16/64 x 512/2048, two loads, a 4096-token prompt beside 8 decodes (half
+    the model's context when that is under 8k tokens, as for `tiny` in the scripts' CPU self-check)."""
+    max_len = resolve_model(model).max_position_embeddings
     return ReportConfig(
         model=model, dtype=dtype, max_num_seqs=64, batch_sizes=(1, 16, 64), context_lens=(512, 2048),
-        grid_output_len=32, load_input_len=512, load_output_len=128, load_num_prompts=200, long_prompt_len=4096,
+        grid_output_len=32, load_input_len=512, load_output_len=128, load_num_prompts=200,
+        long_prompt_len=4096 if max_len >= 8192 else max_len // 2,
         long_decodes=8, long_decode_input=256, long_tail_tokens=32, kv_cache_memory=int(kv_gib * 2**30),
         token_buckets=(32, 128, 512, 2048, 4160),
         calibration=CalibrationConfig(

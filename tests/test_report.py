@@ -10,8 +10,8 @@ import pytest
 
 from jaxserve.bench.load import RunResult, StepRecord
 from jaxserve.bench.results import RequestRecord
-from jaxserve.report import summarize
-from jaxserve.report_chunked import decode_gaps
+from jaxserve.report import ReportConfig, summarize
+from jaxserve.report_chunked import check_long_prompt_fits, decode_gaps
 
 ROW_KEYS = {"kind", "config", "predicted_ttft_ms", "measured_ttft_ms", "predicted_tpot_ms", "measured_tpot_ms",
             "predicted_throughput", "measured_throughput", "ttft_error_pct", "tpot_error_pct", "throughput_error_pct"}
@@ -129,3 +129,11 @@ def test_decode_gaps_are_attributed_to_their_steps():
     assert gaps == pytest.approx([100.0, 300.0, 100.0])
     assert quiet == pytest.approx([100.0, 100.0])
     assert quiet_steps == [1, 3]  # the steps that produced the later token of each quiet gap
+
+
+def test_a_long_prompt_past_the_context_is_refused_before_anything_runs():
+    cfg = ReportConfig.quick_config("tiny")
+    check_long_prompt_fits(cfg, max_model_len=4096, page_size=16)  # 128 tokens and their outputs fit
+    too_long = ReportConfig(model="tiny", long_prompt_len=4096)
+    with pytest.raises(ValueError, match="max_model_len is 4096: lower --long-prompt-len"):
+        check_long_prompt_fits(too_long, max_model_len=4096, page_size=16)
