@@ -208,11 +208,24 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def check_context(cfg: ReportConfig, max_model_len: int, page_size: int) -> None:
+    """Raise ValueError, before anything runs, if a grid point, a load or the long prompt needs more context
+    than the engine has (the run would otherwise lose its requests minutes in)."""
+    from jaxserve.report_chunked import check_long_prompt_fits
+
+    for what, tokens in ((f"the grid's {max(cfg.context_lens)}-token context", max(cfg.context_lens)
+                          + cfg.grid_output_len), ("the loads' requests", cfg.load_input_len + cfg.load_output_len)):
+        if tokens > max_model_len:
+            raise ValueError(f"{what} and its outputs need {tokens} tokens but the model's max_model_len is "
+                             f"{max_model_len}")
+    check_long_prompt_fits(cfg, max_model_len, page_size)
+
+
 def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = None, log: Log = print) -> dict[str, Any]:
     """Build the engine, calibrate (or load `profile`), run every part, write json/md/png into `out_dir`."""
     from jaxserve.calibrate import CalibrationConfig, calibrate, planner_dtype
     from jaxserve.engine import LLMEngine
-    from jaxserve.report_chunked import check_long_prompt_fits, run_chunked
+    from jaxserve.report_chunked import run_chunked
     from jaxserve.report_disagg import run_disagg
     from jaxserve.report_loads import run_loads
     from jaxserve.report_render import write_markdown, write_plot
@@ -222,7 +235,7 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     engine = LLMEngine(cfg.engine_config())
-    check_long_prompt_fits(cfg, engine.max_model_len, engine.config.page_size)
+    check_context(cfg, engine.max_model_len, engine.config.page_size)
     log(f"engine ready in {time.monotonic() - t0:.0f} s (budget {cfg.budget} tokens, buckets "
         f"{engine.runner.token_buckets})")
     calibration = None

@@ -5,13 +5,14 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
 from jaxserve.bench.load import RunResult, StepRecord
 from jaxserve.bench.results import RequestRecord
-from jaxserve.report import ReportConfig, summarize
-from jaxserve.report_chunked import check_long_prompt_fits, decode_gaps
+from jaxserve.report import ReportConfig, check_context, summarize
+from jaxserve.report_chunked import decode_gaps
 
 ROW_KEYS = {"kind", "config", "predicted_ttft_ms", "measured_ttft_ms", "predicted_tpot_ms", "measured_tpot_ms",
             "predicted_throughput", "measured_throughput", "ttft_error_pct", "tpot_error_pct", "throughput_error_pct"}
@@ -131,9 +132,10 @@ def test_decode_gaps_are_attributed_to_their_steps():
     assert quiet_steps == [1, 3]  # the steps that produced the later token of each quiet gap
 
 
-def test_a_long_prompt_past_the_context_is_refused_before_anything_runs():
+def test_a_report_past_the_context_is_refused_before_anything_runs():
     cfg = ReportConfig.quick_config("tiny")
-    check_long_prompt_fits(cfg, max_model_len=4096, page_size=16)  # 128 tokens and their outputs fit
-    too_long = ReportConfig(model="tiny", long_prompt_len=4096)
+    check_context(cfg, max_model_len=4096, page_size=16)  # quick sizes fit
     with pytest.raises(ValueError, match="max_model_len is 4096: lower --long-prompt-len"):
-        check_long_prompt_fits(too_long, max_model_len=4096, page_size=16)
+        check_context(ReportConfig(model="tiny", long_prompt_len=4096), max_model_len=4096, page_size=16)
+    with pytest.raises(ValueError, match="the grid's 5000-token context and its outputs need 5004 tokens"):
+        check_context(replace(cfg, context_lens=(16, 5000)), max_model_len=4096, page_size=16)
