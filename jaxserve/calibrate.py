@@ -324,7 +324,9 @@ def _command():
         from rich.table import Table
 
         from jaxserve.engine import LLMEngine
+        from jaxserve.output_paths import check_writable
 
+        check_writable(out)
         seed = options["seed"]
         config = config_from_options(options)
         if config.async_scheduling:  # each step is timed around one `step()` call, which overlap would blur

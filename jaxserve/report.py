@@ -305,6 +305,9 @@ def _command():
                 provide_devices(*disagg)
             except ValueError as e:
                 raise click.UsageError(str(e)) from None
+        from jaxserve.output_paths import check_writable
+
+        check_writable(out_dir, is_dir=True)
         cfg = ReportConfig.quick_config(model) if quick else ReportConfig(model=model)
         cfg = replace(cfg, dtype=dtype, seed=seed, disagg=disagg)
         try:

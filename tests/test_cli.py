@@ -36,7 +36,12 @@ def test_bad_flags_are_one_line_and_exit_2():
                  ["generate", "--prompt", "x", "--chunk-size", "17"],
                  ["generate", "--prompt", "x", "--async-scheduling", "--disaggregate"],
                  ["calibrate", "--async-scheduling"],
-                 ["convert", "/no/such/folder", "/tmp/out"]):
+                 ["convert", "/no/such/folder", "/tmp/out"],
+                 # outputs that cannot be written fail before minutes of measuring, not after
+                 ["calibrate", "--out", "/proc/no/such/profile.json"],
+                 ["report", "--quick", "--out", "/proc/no/such"],
+                 ["bench", "latency", "--output-json", "/proc/no/such/lat.json"],
+                 ["bench", "serve", "--save-result", "/proc/no/such/serve.json"]):
         r = jaxserve(*args)
         assert r.returncode == 2, (args, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error:"), r.stderr

@@ -12,6 +12,7 @@ import click
 
 from jaxserve.bench.datasets import DATASETS
 from jaxserve.engine_args import build_engine, config_from_options, engine_options
+from jaxserve.output_paths import check_writable
 
 
 def _int_list(text: str) -> list[int]:
@@ -65,12 +66,17 @@ def latency(batch_sizes: str, input_lens: str, output_len: int, output_json: str
     config = config_from_options(options)
     if max(sizes) > config.max_num_seqs:
         raise click.UsageError(f"batch size {max(sizes)} exceeds --max-num-seqs {config.max_num_seqs}")
+    if output_json:
+        check_writable(output_json)
     engine = build_engine(config)
+    if max(lens) + output_len > engine.max_model_len:
+        raise click.UsageError(f"--input-lens {max(lens)} plus --output-len {output_len} exceed the model's "
+                               f"max_model_len {engine.max_model_len}")
     try:
         points = run_grid(engine, sizes, lens, output_len, seed=seed,
                           on_point=lambda p: click.echo(f"  batch {p.batch_size} x {p.input_len}: "
                                                         f"TPOT {p.tpot_ms:.2f} ms, TTFT {p.ttft_ms:.1f} ms", err=True))
-    except ValueError as e:
+    except (ValueError, RuntimeError) as e:  # RuntimeError: every request of a point failed (e.g. KV too small)
         raise click.UsageError(str(e)) from None
     click.echo(format_table(points))
     if output_json:
@@ -133,6 +139,8 @@ def serve_bench(base_url: str | None, served_model_name: str | None, dataset_nam
                           temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    if save_result:
+        check_writable(save_result)
     vocab, avoid = _vocab(model)
     requests = generate(dcfg, vocab, avoid)
     if base_url:
@@ -150,6 +158,10 @@ def serve_bench(base_url: str | None, served_model_name: str | None, dataset_nam
                    "max_concurrency": max_concurrency, "goodput_slos_ms": slos or None,
                    "sampling": {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}})
     click.echo(format_summary({**result, "request_rate": rate if math.isfinite(rate) else None}, percentiles))
+    if errors := sorted({r.error for r in run.records if not r.success}):
+        failed = sum(not r.success for r in run.records)
+        click.echo(f"{failed} of {len(run.records)} requests failed: {'; '.join(errors[:3])}"
+                   + (f" (and {len(errors) - 3} other errors)" if len(errors) > 3 else ""), err=True)
     if save_result:
         Path(save_result).write_text(json.dumps(finite(result)) + "\n")
 
