@@ -84,8 +84,10 @@ def convert(src: str, dst: str, dtype: str) -> None:
 
     from jaxserve.model.checkpoint import convert as convert_checkpoint
     from jaxserve.model.weights import CheckpointError
+    from jaxserve.output_paths import check_writable
     from planner.model_spec import ModelSpecError
 
+    check_writable(dst, is_dir=True)
     t = time.perf_counter()
     try:
         out = convert_checkpoint(src, dst, dtype)

@@ -39,6 +39,7 @@ def test_bad_flags_are_one_line_and_exit_2():
                  ["convert", "/no/such/folder", "/tmp/out"],
                  # outputs that cannot be written fail before minutes of measuring, not after
                  ["calibrate", "--out", "/proc/no/such/profile.json"],
+                 ["convert", "tests", "/proc/no/such/converted"],
                  ["report", "--quick", "--out", "/proc/no/such"],
                  ["bench", "latency", "--output-json", "/proc/no/such/lat.json"],
                  ["bench", "serve", "--save-result", "/proc/no/such/serve.json"]):
