@@ -118,6 +118,15 @@ def test_http_errors_become_failed_requests():
     assert compute_metrics(run.records, run.duration)["failed"] == 2
 
 
+def test_a_server_that_cannot_name_its_model_is_one_clear_error():
+    def down(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("All connection attempts failed", request=request)
+
+    for transport in (httpx.MockTransport(down), httpx.MockTransport(lambda req: httpx.Response(200, json={}))):
+        with pytest.raises(ValueError, match="cannot learn the served model from http://mock/v1/models"):
+            run_http("http://mock", _reqs("random", num_prompts=2), LoadConfig(), transport=transport)
+
+
 def test_sampling_flags_reach_the_engine_and_the_server(tiny_llm):
     """Nucleus sampling with a seeded engine still gives exact lengths; over HTTP the flags go in the body,
     top_k and min_p (vLLM's extensions) only when set; bad values fail where the flags are read."""

@@ -146,7 +146,10 @@ def serve_bench(base_url: str | None, served_model_name: str | None, dataset_nam
     if base_url:
         from jaxserve.bench.http_client import run_http
 
-        run = run_http(base_url, requests, load, model=served_model_name)
+        try:
+            run = run_http(base_url, requests, load, model=served_model_name)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
         backend = "openai"
     else:
         run = _run_in_process(config_from_options(options), requests, load)

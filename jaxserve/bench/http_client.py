@@ -86,9 +86,13 @@ async def _run(base_url: str, model: str | None, requests: Sequence[SampleReques
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits, transport=transport) as client:
         if model is None:
-            resp = await client.get(base + "/v1/models")
-            resp.raise_for_status()
-            model = resp.json()["data"][0]["id"]
+            try:
+                resp = await client.get(base + "/v1/models")
+                resp.raise_for_status()
+                model = resp.json()["data"][0]["id"]
+            except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+                raise ValueError(f"cannot learn the served model from {base}/v1/models ({e or type(e).__name__}); "
+                                 f"is the server up? --served-model-name skips this") from None
         start = time.perf_counter()
 
         async def send(i: int) -> None:
