@@ -52,6 +52,20 @@ def test_bad_flags_are_one_line_and_exit_2(args: list[str], mentions: str) -> No
     assert len(err.strip().splitlines()) == 1 and mentions in err, err
 
 
+def test_a_busy_port_is_one_line_before_the_engine_is_built() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = _launch("--model", "tiny", "--port", str(port))
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    # Our message, from before the engine is built (uvicorn's own came after a warm-up, exit code 3).
+    assert len(err.strip().splitlines()) == 1 and f"cannot listen on 127.0.0.1:{port}" in err, err
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_with_requests_in_flight_exits_0_within_5s(sig: signal.Signals) -> None:
     port = free_port()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import time
 from typing import Any
 
@@ -17,6 +18,20 @@ import click
 from jaxserve.engine_args import config_from_options, engine_options
 
 logger = logging.getLogger("jaxserve.server")
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the engine is built: a busy port or an unknown host is one line at
+    once, not after a warm-up of up to a minute (uvicorn then serves on this socket)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        raise click.UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
 
 @click.command("serve")
@@ -41,6 +56,7 @@ def serve(host: str, port: int, served_model_name: str | None, log_interval: flo
     from jaxserve.server.app import build_app
 
     t0 = time.monotonic()
+    sock = _listen(host, port)
     try:
         engine = AsyncEngine(config)
     except ValueError as e:  # e.g. an unknown model name or a pool too small for one sequence
@@ -68,7 +84,7 @@ def serve(host: str, port: int, served_model_name: str | None, log_interval: flo
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
                                     access_log=False, timeout_graceful_shutdown=2, lifespan="on"))
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         engine.shutdown(timeout=2.0)
     if not server.started:
