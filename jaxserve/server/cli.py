@@ -56,7 +56,8 @@ def serve(host: str, port: int, served_model_name: str | None, log_interval: flo
     from jaxserve.server.app import build_app
 
     t0 = time.monotonic()
-    sock = _listen(host, port)
+    # Only process 0 serves; the followers of a multi-host mesh never return from building the engine.
+    sock = _listen(host, port) if config.process_id == 0 else None
     try:
         engine = AsyncEngine(config)
     except ValueError as e:  # e.g. an unknown model name or a pool too small for one sequence
@@ -84,7 +85,7 @@ def serve(host: str, port: int, served_model_name: str | None, log_interval: flo
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
                                     access_log=False, timeout_graceful_shutdown=2, lifespan="on"))
     try:
-        server.run(sockets=[sock])
+        server.run(sockets=[sock] if sock else None)
     finally:
         engine.shutdown(timeout=2.0)
     if not server.started:
