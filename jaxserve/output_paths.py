@@ -16,6 +16,7 @@ def check_writable(path: str | Path, *, is_dir: bool = False) -> None:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise click.UsageError(f"cannot write {path}: {e.strerror or e}") from None
-    if not os.access(folder, os.W_OK) or (not is_dir and Path(path).is_dir()):
-        raise click.UsageError(f"cannot write {path}: " + ("it is a folder" if Path(path).is_dir()
-                                                           else f"{folder} is not writable"))
+    if not is_dir and Path(path).is_dir():
+        raise click.UsageError(f"cannot write {path}: it is a folder")
+    if not os.access(folder, os.W_OK):
+        raise click.UsageError(f"cannot write {path}: {folder} is not writable")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,6 +23,9 @@ from jaxserve.bench.datasets import DatasetConfig, generate
 from jaxserve.bench.load import LoadConfig, RunResult, run_engine
 from jaxserve.calibrate_steps import step_budget
 from jaxserve.report_loads import predict_step_s
+
+if TYPE_CHECKING:
+    from jaxserve.report import ReportConfig
 
 WARM_TOKENS = 8
 
@@ -49,7 +52,7 @@ def decode_gaps(run: RunResult, decodes: int | None = None) -> tuple[list[float]
     return all_gaps, quiet, quiet_steps
 
 
-def check_long_prompt_fits(cfg, max_model_len: int, page_size: int) -> None:
+def check_long_prompt_fits(cfg: ReportConfig, max_model_len: int, page_size: int) -> None:
     """Raise ValueError if the long prompt and the most tokens it may be asked to generate (one per chunk of at
     least a page, plus the warm-up and tail tokens) exceed the engine's context, before anything runs."""
     most = cfg.long_prompt_len + WARM_TOKENS + math.ceil(cfg.long_prompt_len / page_size) + cfg.long_tail_tokens

@@ -47,7 +47,7 @@ def measure_point(engine, batch_size: int, input_len: int, output_len: int, *, s
     ok = [r for r in run.records if r.success]
     if not ok:
         errors = {r.error for r in run.records}
-        raise RuntimeError(f"batch {batch_size} x {input_len}: every request failed ({'; '.join(errors)})")
+        raise ValueError(f"batch {batch_size} x {input_len}: every request failed ({'; '.join(errors)})")
     ttfts = [r.ttft for r in ok]
     tpots = [t for r in ok if (t := r.tpot) is not None]
     gaps = [g for r in ok for g in r.itl]
