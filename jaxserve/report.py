@@ -209,8 +209,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def check_context(cfg: ReportConfig, max_model_len: int, page_size: int) -> None:
-    """Raise ValueError, before anything runs, if a grid point, a load or the long prompt needs more context
-    than the engine has (the run would otherwise lose its requests minutes in)."""
+    """Raise ValueError, before calibrating or measuring anything, if a grid point, a load or the long prompt
+    needs more context than the engine has (the run would otherwise lose its requests minutes in)."""
     from jaxserve.report_chunked import check_long_prompt_fits
 
     for what, tokens in ((f"the grid's {max(cfg.context_lens)}-token context", max(cfg.context_lens)

@@ -52,10 +52,15 @@ def decode_gaps(run: RunResult, decodes: int | None = None) -> tuple[list[float]
     return all_gaps, quiet, quiet_steps
 
 
+def _long_output_len(cfg: ReportConfig, prefill_per_step: int) -> int:
+    """Tokens each request of a long-prompt run generates: warm-up, one per chunk of the long prompt, the tail."""
+    return WARM_TOKENS + math.ceil(cfg.long_prompt_len / prefill_per_step) + cfg.long_tail_tokens
+
+
 def check_long_prompt_fits(cfg: ReportConfig, max_model_len: int, page_size: int) -> None:
-    """Raise ValueError if the long prompt and the most tokens it may be asked to generate (one per chunk of at
-    least a page, plus the warm-up and tail tokens) exceed the engine's context, before anything runs."""
-    most = cfg.long_prompt_len + WARM_TOKENS + math.ceil(cfg.long_prompt_len / page_size) + cfg.long_tail_tokens
+    """Raise ValueError if the long prompt and the most tokens it may be asked to generate (chunks of at least
+    a page) exceed the engine's context, before calibrating or measuring anything."""
+    most = cfg.long_prompt_len + _long_output_len(cfg, page_size)
     if most > max_model_len:
         raise ValueError(f"the chunked-prefill run needs up to {most} tokens of context (a {cfg.long_prompt_len}-token "
                          f"prompt and its outputs) but the model's max_model_len is {max_model_len}: "
@@ -88,7 +93,7 @@ def run_chunked(ctx) -> list[dict[str, Any]]:
     # `d` decode in step before the long prompt lands, and it alone is cut into `prefill`-token chunks.
     for label, budget, prefill in (("chunked", per_step + d, per_step), ("unchunked", cfg.budget, length)):
         stalls = [t * 1e3 for t in chunked_prefill_itls(ctx.spec, ctx.hw, length, prefill + d, **kw)]
-        out_len = WARM_TOKENS + math.ceil(length / prefill) + cfg.long_tail_tokens
+        out_len = _long_output_len(cfg, prefill)
         reqs = generate(DatasetConfig(name="long-prompt", num_prompts=d + 1, input_len=cfg.long_decode_input,
                                       output_len=out_len, long_prompt_len=length, warm_tokens=WARM_TOKENS,
                                       seed=cfg.seed + budget), ctx.spec.vocab_size, ())
