@@ -50,9 +50,10 @@ class CalibrationConfig:
     mixed_decodes: int = 4
     mixed_prompt_len: int = 1024
     mixed_chunk: int = 256  # step token budget while the long prompt is chunked (page multiple)
-    # Then a one-page chunk at a time over a longer prompt: what a small chunk over a long history costs
-    # beyond its FLOPs (the `attn_m_half` coefficient); every k-th of its steps, `mixed_small_samples` in all.
-    mixed_small_chunk: int = 16
+    # Then small chunks over a longer prompt, one page and a quarter page at a time: what a small chunk over a
+    # long history costs beyond its FLOPs (the `attn_m_half` coefficient; the sub-page chunks the planner picks
+    # for a tight ITL target on a CPU cost mostly that); every k-th of each run's steps, `mixed_small_samples`.
+    mixed_small_chunks: tuple[int, ...] = (16, 4)
     mixed_small_prompt_len: int = 2048
     mixed_small_samples: int = 8
     gemm_rows: tuple[int, ...] = (1, 4, 16, 64, 256, 1024)
@@ -234,10 +235,10 @@ def calibrate(engine, cfg: CalibrationConfig | None = None, progress: Progress |
     decodes = min(cfg.mixed_decodes, engine.config.max_num_seqs - 1)
     with step_budget(engine, cfg.mixed_chunk):
         samples += measure_mixed(engine, ids, decodes, prompt)
-    if cfg.mixed_small_chunk:
-        say("engine mixed steps: a one-page chunk over a long prompt", 0.88)
+    for chunk in cfg.mixed_small_chunks:
+        say(f"engine mixed steps: {chunk}-token chunks over a long prompt", 0.88)
         prompt = min(cfg.mixed_small_prompt_len, engine.max_model_len - 1)
-        with step_budget(engine, engine.config.max_num_batched_tokens, chunk=cfg.mixed_small_chunk):
+        with step_budget(engine, engine.config.max_num_batched_tokens, chunk=chunk):
             small = measure_mixed(engine, ids, decodes, prompt)
         every = max(1, len(small) // cfg.mixed_small_samples)
         samples += small[every - 1::every]  # ends at (or near) the longest history

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.batch import RaggedBatch
 from jaxserve.model.metadata import AttentionMetadata
-from jaxserve.model.paged_attention import DEFAULT_SMALL_Q_BLOCK
+from jaxserve.model.paged_attention import default_q_blocks
 from jaxserve.parallel import AXIS, fit_spec, params_shardings, put_global, replicated
 from jaxserve.sampler import SamplingArrays, sample_tokens
 
@@ -326,14 +326,14 @@ class ModelRunner:
 def _trash_prefill(num_tokens: int, page_size: int, max_seqs: int = 1, max_len: int = 0) -> RaggedBatch:
     """Warm-up work whose KV all lives in the trash page 0.
 
-    One decode, one small-block prefill chunk and one prefill of the rest (as many of the three as
-    `max_seqs` and `num_tokens` allow), all after a history of up to WARM_HISTORY tokens that fits in `max_len`:
-    every loop of the bucket's attention runs once (decode blocks, small and large query blocks, masked and
-    unmasked KV blocks). A loop's first run costs up to ~100 ms on CPU, which would otherwise land on a request.
+    One decode, a prefill chunk for each of the smaller query-block sizes and one prefill of the rest (as many
+    as `max_seqs` and `num_tokens` allow), all after a history of up to WARM_HISTORY tokens that fits in
+    `max_len`: the loops of the bucket's attention run once (decode blocks, query blocks, masked and unmasked KV
+    blocks). A loop's first run costs up to ~100 ms on CPU, which would otherwise land on a request.
     """
     history = max(0, min(WARM_HISTORY, max_len - num_tokens))
     q_lens = [num_tokens]
-    for first in (1, DEFAULT_SMALL_Q_BLOCK):
+    for first in (1, *sorted(default_q_blocks()[1:])):
         if len(q_lens) < max_seqs and q_lens[-1] > first:
             q_lens[-1:] = [first, q_lens[-1] - first]
     decodes = int(len(q_lens) > 1)

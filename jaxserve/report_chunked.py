@@ -5,10 +5,11 @@ runtime runs the `long-prompt` workload with the long prompt cut into chunks tha
 the decodes, then with one chunk that takes the whole prompt in one step. Each gap between two tokens of a
 running decode is attributed to the engine step that produced the later token: gaps of steps without prefill
 give the undisturbed TPOT, all gaps give p99 and max ITL. The prediction builds the same gap list from
-`chunked_prefill_itls` (page-aligned chunks, as the runtime cuts). The predicted undisturbed TPOT is the step
-model's time of those same quiet steps (each from its own shape): most of them come after the long prompt,
-when the decodes' contexts have grown by its whole length in chunked steps, so a forecast at their starting
-context compared a 72-token step with a 340-token one (-23% on `small`, an error of the comparison).
+`chunked_prefill_itls` (page-aligned chunks as the runtime cuts them, or a part of a page when even one page
+per step misses the target). The predicted undisturbed TPOT is the step model's time of those same quiet steps
+(each from its own shape): most of them come after the long prompt, when the decodes' contexts have grown by
+its whole length in chunked steps, so a forecast at their starting context compared a 72-token step with a
+340-token one (-23% on `small`, an error of the comparison).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 from jaxserve.bench.datasets import DatasetConfig, generate
 from jaxserve.bench.load import LoadConfig, RunResult, run_engine
 from jaxserve.calibrate_steps import step_budget
+from jaxserve.model.paged_attention import default_q_blocks
 from jaxserve.report_loads import predict_step_s
 
 if TYPE_CHECKING:
@@ -57,10 +59,16 @@ def _long_output_len(cfg: ReportConfig, prefill_per_step: int) -> int:
     return WARM_TOKENS + math.ceil(cfg.long_prompt_len / prefill_per_step) + cfg.long_tail_tokens
 
 
+def smallest_chunk(page_size: int) -> int:
+    """The finest prefill chunk the report lets the planner pick: the runtime's smallest query block (a finer
+    chunk would pay for that block's rows anyway), at most a page."""
+    return min(page_size, min(default_q_blocks()))
+
+
 def check_long_prompt_fits(cfg: ReportConfig, max_model_len: int, page_size: int) -> None:
     """Raise ValueError if the long prompt and the most tokens it may be asked to generate (chunks of at least
-    a page) exceed the engine's context, before calibrating or measuring anything."""
-    most = cfg.long_prompt_len + _long_output_len(cfg, page_size)
+    `smallest_chunk`) exceed the engine's context, before calibrating or measuring anything."""
+    most = cfg.long_prompt_len + _long_output_len(cfg, smallest_chunk(page_size))
     if most > max_model_len:
         raise ValueError(f"the chunked-prefill run needs up to {most} tokens of context (a {cfg.long_prompt_len}-token "
                          f"prompt and its outputs) but the model's max_model_len is {max_model_len}: "
@@ -79,15 +87,21 @@ def run_chunked(ctx) -> list[dict[str, Any]]:
     cfg, engine = ctx.cfg, ctx.engine
     d, length, page = cfg.long_decodes, cfg.long_prompt_len, engine.config.page_size
     context = cfg.long_decode_input + WARM_TOKENS
-    kw = dict(decode_batch=d, context_len=context, dtype=ctx.dtype)
+    buckets = engine.runner.token_buckets
+    kw = dict(decode_batch=d, context_len=context, dtype=ctx.dtype, token_buckets=buckets)
     undisturbed = step_time_shape(ctx.spec, ctx.hw, decode_shape(d, context), dtype=ctx.dtype).total_ms
     target = 2 * undisturbed
-    choice = choose_chunk_size(ctx.spec, ctx.hw, target, prompt_len=length, page_size=page, **kw)
+    choice = choose_chunk_size(ctx.spec, ctx.hw, target, prompt_len=length, page_size=page,
+                               min_chunk=smallest_chunk(page), **kw)
     # The runtime cuts chunks on page boundaries: give it a budget of whole pages plus the decodes, so every
     # step prefills exactly `per_step` tokens, as predicted (planner/NEEDS_FROM_BENCH.md, item 1).
     # It also pads a step to its token bucket, so the budget is the largest bucket within the planner's chunk.
-    fitting = [b for b in engine.runner.token_buckets if b <= choice.chunk_size and b - d >= page]
-    per_step = max(page, ((max(fitting) if fitting else choice.chunk_size) - d) // page * page)
+    # A chunk of less than a page (a tight target on a CPU) is taken as the planner gives it.
+    fitting = [b for b in buckets if b <= choice.chunk_size and b - d >= page]
+    if choice.chunk_size - d < page:
+        per_step = choice.chunk_size - d
+    else:
+        per_step = max(page, ((max(fitting) if fitting else choice.chunk_size) - d) // page * page)
     rows = []
     # The budget limits the chunk alone: the decodes' own prompts prefill side by side at the start, so all
     # `d` decode in step before the long prompt lands, and it alone is cut into `prefill`-token chunks.

@@ -86,14 +86,16 @@ def chunked_prefill_itls(model: str | ModelSpec, hardware: str | Path | Hardware
     """Step times (s) the running decodes see while `prompt_len` is prefilled with a step budget `chunk_size`.
 
     The budget holds the decodes too; each chunk ends on a `page_size` boundary as the runtime cuts it
-    (`page_size=1`: no alignment); `token_buckets` pads each step as the runtime does.
+    (`page_size=1`: no alignment); `token_buckets` pads each step as the runtime does. The decodes start at
+    `context_len` tokens and gain one per step (a 4k-token prompt in 4-token chunks takes 1024 steps, after which
+    their attention costs as much again as at the start on a CPU).
     """
     spec, hw = resolve_model(model), load_hardware(hardware)
-    dec = decode_shape(decode_batch, context_len)
     budget = max(1, chunk_size - decode_batch)
     times, done = [], 0
     while done < prompt_len:
         q = prefill_chunk_tokens(done, prompt_len - done, budget, page_size)
+        dec = decode_shape(decode_batch, context_len + len(times))
         shape = dec + prefill_shape(q, done) if decode_batch else prefill_shape(q, done)
         times.append(step_time_shape(spec, hw, shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype,
                                      padded_tokens=pad_tokens(shape.num_tokens, token_buckets)).total_s)
@@ -103,13 +105,14 @@ def chunked_prefill_itls(model: str | ModelSpec, hardware: str | Path | Hardware
 
 def choose_chunk_size(model: str | ModelSpec, hardware: str | Path | Hardware, itl_target_ms: float, *,
                       prompt_len: int, decode_batch: int, context_len: int, tp: int = 1, dtype: str = "bf16",
-                      kv_dtype: str | None = None, page_size: int = 16,
+                      kv_dtype: str | None = None, page_size: int = 16, min_chunk: int = 1,
                       token_buckets: Sequence[int] = ()) -> ChunkChoice:
     """Largest step budget whose steps keep the ITL of `decode_batch` running decodes <= target.
 
     The chunk is the step's whole token budget (max_num_batched_tokens), decodes included, as the runtime
-    schedules it: `decode_batch` + a whole number of pages of prefill. If even one page exceeds the target,
-    one page is returned (the best that can be done).
+    schedules it: `decode_batch` + a whole number of pages of prefill. If even one page exceeds the target, a
+    part of a page is tried: page_size / 2, / 4, ... down to `min_chunk` tokens (the runtime then fills a page in
+    several steps); if even that exceeds the target, the smallest is returned (the best that can be done).
     """
     spec, hw = resolve_model(model), load_hardware(hardware)
     kw: dict[str, Any] = dict(decode_batch=decode_batch, context_len=context_len, tp=tp, dtype=dtype,
@@ -119,22 +122,28 @@ def choose_chunk_size(model: str | ModelSpec, hardware: str | Path | Hardware, i
         return max(chunked_prefill_itls(spec, hw, prompt_len, chunk, **kw))
 
     target = itl_target_ms / 1e3
-    top = math.ceil((prompt_len + decode_batch) / page_size)
-    lo, hi = 1, top
-    if worst(lo * page_size + decode_batch) > target:
-        hi = lo
+    if worst(page_size + decode_batch) > target:
+        parts = [page_size >> k for k in range(1, page_size.bit_length()) if page_size >> k >= max(1, min_chunk)]
+        prefill = next((p for p in parts if worst(p + decode_batch) <= target), parts[-1] if parts else page_size)
+        return _chunk_choice(spec, hw, prompt_len, prefill + decode_batch, kw)
+    lo, hi = 1, math.ceil((prompt_len + decode_batch) / page_size)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if worst(mid * page_size + decode_batch) <= target:
             lo = mid
         else:
             hi = mid - 1
-    chunk = lo * page_size + decode_batch
+    return _chunk_choice(spec, hw, prompt_len, lo * page_size + decode_batch, kw)
+
+
+def _chunk_choice(spec: ModelSpec, hw: Hardware, prompt_len: int, chunk: int, kw: dict[str, Any]) -> ChunkChoice:
+    """The step times of budget `chunk` beside the decodes of `kw` (`chunked_prefill_itls`'s arguments), and
+    their undisturbed and unchunked ones."""
+    b = max(kw["decode_batch"], 1)
     stalls = chunked_prefill_itls(spec, hw, prompt_len, chunk, **kw)
-    b = max(decode_batch, 1)
-    undisturbed = step_time_shape(spec, hw, decode_shape(b, context_len), tp=tp, dtype=dtype, kv_dtype=kv_dtype,
-                                  padded_tokens=pad_tokens(b, token_buckets)).total_s
-    unchunked = max(chunked_prefill_itls(spec, hw, prompt_len, prompt_len + decode_batch, **kw))
+    undisturbed = step_time_shape(spec, hw, decode_shape(b, kw["context_len"]), tp=kw["tp"], dtype=kw["dtype"],
+                                  kv_dtype=kw["kv_dtype"], padded_tokens=pad_tokens(b, kw["token_buckets"])).total_s
+    unchunked = max(chunked_prefill_itls(spec, hw, prompt_len, prompt_len + kw["decode_batch"], **kw))
     return ChunkChoice(chunk_size=chunk, max_itl_ms=max(stalls) * 1e3, undisturbed_tpot_ms=undisturbed * 1e3,
                        unchunked_itl_ms=unchunked * 1e3, stall_itls_ms=tuple(t * 1e3 for t in stalls),
                        num_chunks=len(stalls))

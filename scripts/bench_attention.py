@@ -1,7 +1,7 @@
 """Benchmark one layer of paged attention (float32, `small` shapes) against the memory/compute floors.
 
     python scripts/bench_attention.py                       # the standard cases
-    python scripts/bench_attention.py --kv-block 512 --q-block 64 --repeat 20
+    python scripts/bench_attention.py --kv-block 512 --q-blocks 64,16 --repeat 20
 
 Decode: S sequences, each one query token at `--context` tokens of context. Prefill: one chunk of Q tokens
 after C tokens of prior context. The page table is padded to ceil(max_model_len / page_size) columns as the
@@ -23,7 +23,7 @@ from jaxserve.model.metadata import AttentionMetadata
 from jaxserve.model.paged_attention import (
     DEFAULT_DECODE_KV_BLOCK,
     DEFAULT_DECODE_TAIL_BLOCK,
-    DEFAULT_Q_BLOCK,
+    default_q_blocks,
     paged_attention,
 )
 from planner.model_spec import PRESETS
@@ -72,7 +72,8 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--kv-block", type=int, default=None, help="default: the runtime's for this backend")
-    ap.add_argument("--q-block", type=int, default=DEFAULT_Q_BLOCK)
+    ap.add_argument("--q-blocks", default=",".join(map(str, default_q_blocks())),
+                    help="query-block sizes, comma-separated (one size: every chunk in blocks of it)")
     ap.add_argument("--decode-kv-block", type=int, default=DEFAULT_DECODE_KV_BLOCK)
     ap.add_argument("--decode-tail-block", type=int, default=DEFAULT_DECODE_TAIL_BLOCK)
     ap.add_argument("--decode-mode", default="auto", choices=["auto", "loop", "batched"])
@@ -84,12 +85,14 @@ def main() -> None:
     args = ap.parse_args()
     spec = PRESETS[args.model]
     h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    fn = jax.jit(functools.partial(paged_attention, scale=d**-0.5, kv_block=args.kv_block, q_block=args.q_block,
+    q_blocks = tuple(int(b) for b in args.q_blocks.split(","))
+    fn = jax.jit(functools.partial(paged_attention, scale=d**-0.5, kv_block=args.kv_block,
+                                   q_blocks=q_blocks,
                                    decode_kv_block=args.decode_kv_block, decode_mode=args.decode_mode,
                                    decode_tail_block=args.decode_tail_block))
     kv_token_bytes = 2 * kvh * d * 4
     print(f"# {args.model}: {h} heads, {kvh} kv heads, head_dim {d}, page {args.page_size}, "
-          f"kv_block {args.kv_block or 'auto'}, q_block {args.q_block}, "
+          f"kv_block {args.kv_block or 'auto'}, q_blocks {args.q_blocks}, "
           f"decode_kv_block {args.decode_kv_block} (tail {args.decode_tail_block}) "
           f"({args.decode_mode}), "
           f"backend {jax.default_backend()}")

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxserve.model.metadata import AttentionMetadata
-from jaxserve.model.paged_attention import paged_attention, write_kv
+from jaxserve.model.paged_attention import DEFAULT_Q_BLOCKS, _block_sizes, _cover, paged_attention, write_kv
 
 jax.config.update("jax_enable_x64", False)
 
@@ -71,10 +71,11 @@ def dense_reference(q, k_cache, v_cache, m, scale):
 
 @functools.cache
 def attention_fn(kv_block: int, q_block: int, decode_mode: str):
-    # small_q_block below q_block: short chunks take the small-block path, longer ones the q_block path.
-    return jax.jit(functools.partial(paged_attention, scale=D**-0.5, kv_block=kv_block, q_block=q_block,
+    # Blocks of q_block rows, then half and quarter blocks: every chunk length takes a different mix of sizes.
+    return jax.jit(functools.partial(paged_attention, scale=D**-0.5, kv_block=kv_block,
+                                     q_blocks=(q_block, max(1, q_block // 2), max(1, q_block // 4)),
                                      decode_kv_block=2 * kv_block, decode_tail_block=PAGE_SIZE,
-                                     decode_mode=decode_mode, small_q_block=max(1, q_block // 2)))
+                                     decode_mode=decode_mode))
 
 
 def check(rng, heads, kv_heads, decode_ctx, prefill, kv_block=8, q_block=8, decode_mode="loop"):
@@ -205,3 +206,22 @@ def test_donated_pool_is_updated_in_place(decode_mode):
                                                           meta).compile().as_text()
         copies = [line for line in hlo.splitlines() if " copy(" in line and shape in line]
         assert not copies, copies
+
+
+@pytest.mark.parametrize(("q_len", "counts"), [
+    (4, [0, 0, 0, 1]), (8, [0, 0, 1, 0]), (12, [0, 1, 0, 0]), (16, [0, 1, 0, 0]), (20, [0, 1, 0, 1]),
+    (100, [1, 0, 0, 0]), (130, [1, 0, 0, 1]), (0, [0, 0, 0, 0])])
+def test_a_chunk_is_covered_by_the_cheapest_mix_of_query_blocks(q_len, counts):
+    # A sub-page chunk beside running decodes gets a block of its own size, not a padded 16-row one; a long
+    # rest goes in one more large block rather than in many small ones.
+    got, _ = _cover(jnp.int32(q_len), DEFAULT_Q_BLOCKS)
+    assert [int(c) for c in got] == counts
+
+
+@given(st.integers(0, 600), st.sampled_from([1, 2, 4, 8, 16, 24, 48, 128, 256]))
+def test_query_blocks_cover_every_row_with_less_than_one_block_of_padding(q_len, num_tokens):
+    q_len = min(q_len, num_tokens)
+    sizes = _block_sizes(DEFAULT_Q_BLOCKS, num_tokens)
+    rows = sum(int(c) * b for c, b in zip(_cover(jnp.int32(q_len), sizes)[0], sizes, strict=True))
+    assert q_len <= rows < q_len + sizes[0]
+    assert max(sizes) <= num_tokens

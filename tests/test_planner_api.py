@@ -43,14 +43,29 @@ def test_chunk_choice_meets_the_itl_target_and_depends_on_the_device():
     cpu = planner.choose_chunk_size("small", "cpu", 3 * undisturbed, dtype="fp32", **kw)
     assert cpu.max_itl_ms <= 3 * undisturbed
     assert (cpu.chunk_size - 4) % 16 == 0 and cpu.chunk_size < 512  # a CPU's ridge point is low: small chunks
-    hopeless = planner.choose_chunk_size("small", "cpu", undisturbed, dtype="fp32", **kw)
-    assert hopeless.chunk_size == 16 + 4 and hopeless.max_itl_ms > undisturbed  # one page: the best there is
+    hopeless = planner.choose_chunk_size("small", "cpu", undisturbed, dtype="fp32", min_chunk=4, **kw)
+    assert hopeless.chunk_size == 4 + 4 and hopeless.max_itl_ms > undisturbed  # the finest chunk: the best there is
     assert cpu.unchunked_itl_ms > 5 * cpu.undisturbed_tpot_ms
     gpu_undisturbed = planner.choose_chunk_size("llama-3.1-8b", "h100-sxm", 1e9, **kw).undisturbed_tpot_ms
     gpu = planner.choose_chunk_size("llama-3.1-8b", "h100-sxm", 2 * gpu_undisturbed, **kw)
     assert gpu.chunk_size > 4 * cpu.chunk_size  # a GPU decodes hundreds of tokens for the price of one
     bigger = planner.choose_chunk_size("small", "cpu", 6 * undisturbed, dtype="fp32", **kw)
     assert bigger.chunk_size >= cpu.chunk_size
+
+
+def test_a_target_one_page_per_step_misses_takes_part_of_a_page():
+    # On a calibrated CPU a small chunk over a long history costs mostly its pass over the KV: when even one
+    # 16-token page beside the decodes misses the ITL target, the planner tries 8, then 4 tokens a step.
+    kw = dict(prompt_len=4096, decode_batch=4, context_len=64, dtype="fp32", min_chunk=4)
+    page = planner.choose_chunk_size("small", "cpu", 1e9, **kw)
+    per_step = {c: max(planner.chunked_prefill_itls("small", "cpu", 4096, c + 4, decode_batch=4, context_len=64,
+                                                    dtype="fp32")) * 1e3 for c in (16, 8, 4)}
+    assert per_step[4] < per_step[8] < per_step[16]
+    between = (per_step[8] + per_step[16]) / 2
+    half = planner.choose_chunk_size("small", "cpu", between, **kw)
+    assert half.chunk_size == 8 + 4 and half.max_itl_ms == pytest.approx(per_step[8])
+    assert planner.choose_chunk_size("small", "cpu", per_step[16] + 1e-6, **kw).chunk_size == 16 + 4
+    assert page.chunk_size > 16 + 4
 
 
 def test_profile_round_trip_and_validation(tmp_path):

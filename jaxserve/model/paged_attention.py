@@ -11,7 +11,7 @@ over later.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +25,14 @@ DEFAULT_KV_BLOCK = 256
 # host, so a 16-row chunk over a 4k-token history paid ~17 round trips per layer in 256-key blocks, and the
 # chunked-prefill ITL on an H200 was 2.2-2.6x the undisturbed TPOT (BUILD.md, "On a GPU").
 ACCELERATOR_KV_BLOCK = 2048
-DEFAULT_Q_BLOCK = 128
-DEFAULT_SMALL_Q_BLOCK = 16
+# Query rows per prefill block, largest first: a chunk is covered by whole blocks of the largest size, then of
+# the smaller ones (or one more padded larger block, when cheaper). On a CPU the 8- and 4-row blocks serve
+# sub-page chunks beside running decodes: `small`'s 12 layers of 4 decodes and a chunk over a 4k-token history
+# took 28.9 ms with a 16-row chunk, 22.3 with an 8-row one, 18.1 with a 4-row one (`python
+# scripts/bench_chunk_attention.py`); before, 8 and 4 rows paid for a 16-row block. Off a CPU every loop costs a
+# host round trip per layer even when it runs no block, so accelerators keep two sizes.
+DEFAULT_Q_BLOCKS = (128, 16, 8, 4)
+ACCELERATOR_Q_BLOCKS = (128, 16)
 DEFAULT_DECODE_KV_BLOCK = 512
 # A decode's context past its last whole 512-token block goes in 32-token blocks: 128 read up to 96 masked tokens
 # per sequence and layer; 32 took 4-6% off decode TPOT at 1, 16 and 64 requests of `small` on CPU (a throwaway A/B
@@ -34,9 +40,10 @@ DEFAULT_DECODE_KV_BLOCK = 512
 # --prefills "" --context 192 --decode-tail-block 16`, then `32`: 6.4 vs 3.6 ms a layer).
 DEFAULT_DECODE_TAIL_BLOCK = 32
 # A query block costs about as much as this many extra query rows (its KV gather and loop), measured on CPU with
-# `python scripts/bench_attention.py --decodes "" --prefills 128:1024 --q-block 16` (eight 16-row blocks, 4.2 ms)
-# against `--q-block 128` (one block, 2.3 ms): a 16-row block costs 0.23-0.25x of a 128-row one, (17..20 + 16) /
-# (17..20 + 128).
+# `python scripts/bench_attention.py --decodes "" --prefills 128:1024 --q-blocks 16` (eight 16-row blocks, 4.2 ms)
+# against `--q-blocks 128` (one block, 2.3 ms): a 16-row block costs 0.23-0.25x of a 128-row one, (17..20 + 16) /
+# (17..20 + 128). Over a 4k-token history the same fit gives ~8 rows (the figures above DEFAULT_Q_BLOCKS); the
+# choices it makes (one 16-row block for 9-16 rows, one 8-row block for 5-8) are the same for either value.
 Q_BLOCK_OVERHEAD_ROWS = 20
 
 
@@ -183,19 +190,47 @@ def _prefill_block(qb: jax.Array, q_pos0: jax.Array, k_cache: jax.Array, v_cache
     return jnp.transpose(_finish(den, acc).reshape(kvh, g, bq, d), (2, 0, 1, 3))  # [Bq, kvh, g, d]
 
 
+def default_q_blocks() -> tuple[int, ...]:
+    """The query-block sizes prefill chunks use on this backend (the smallest is the finest chunk worth taking)."""
+    return DEFAULT_Q_BLOCKS if jax.default_backend() == "cpu" else ACCELERATOR_Q_BLOCKS
+
+
+def _block_sizes(q_blocks: Sequence[int], num_tokens: int) -> tuple[int, ...]:
+    """Query-block sizes a `num_tokens`-token step uses, largest first: none wider than the step."""
+    return tuple(sorted({min(b, num_tokens) for b in q_blocks}, reverse=True))
+
+
+def _cover(q_len: jax.Array, sizes: tuple[int, ...]) -> tuple[list[jax.Array], jax.Array]:
+    """How many blocks of each size (largest first) cover `q_len` query rows, and their cost in rows.
+
+    Whole blocks of the largest size, then the rest in smaller ones, unless one more padded block of the larger
+    size costs less (a block costs its rows plus Q_BLOCK_OVERHEAD_ROWS).
+    """
+    b, cost_b = sizes[0], sizes[0] + Q_BLOCK_OVERHEAD_ROWS
+    if len(sizes) == 1:
+        n = (q_len + b - 1) // b
+        return [n], n * cost_b
+    n = q_len // b
+    rest_counts, rest_cost = _cover(q_len - n * b, sizes[1:])
+    pad = rest_cost > cost_b  # zero when nothing is left
+    counts = [n + pad.astype(n.dtype)] + [jnp.where(pad, 0, c) for c in rest_counts]
+    return counts, (n + pad) * cost_b + jnp.where(pad, 0, rest_cost)
+
+
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata,
-                    scale: float, *, kv_block: int | None = None, q_block: int = DEFAULT_Q_BLOCK,
+                    scale: float, *, kv_block: int | None = None, q_blocks: Sequence[int] | None = None,
                     decode_kv_block: int = DEFAULT_DECODE_KV_BLOCK, decode_tail_block: int = DEFAULT_DECODE_TAIL_BLOCK,
-                    decode_mode: str = "auto", small_q_block: int = DEFAULT_SMALL_Q_BLOCK) -> jax.Array:
+                    decode_mode: str = "auto") -> jax.Array:
     """Causal attention of ragged queries q [T, H, D] over paged K/V (already holding this step's tokens).
 
     Decode sequences (the first `num_decodes`, one query each) loop over their own KV blocks
     (`decode_mode="loop"`, O(sum of contexts), best on CPU; `decode_kv_block` tokens per block, the remainder
     in `decode_tail_block` blocks) or go all at once over blocks up to the longest
     context (`"batched"`, fewer and larger ops, for GPUs); "auto" picks loop on CPU, batched elsewhere.
-    Prefill chunks loop over query blocks of `q_block` or `small_q_block` rows, whichever pads the chunk to
-    less work, and, for each, over `kv_block`-token KV blocks up to the causal limit (by default 256 on CPU,
-    2048 elsewhere). Rows of padded tokens come back as zeros.
+    Prefill chunks loop over query blocks of the `q_blocks` sizes (`default_q_blocks()` by default; capped at
+    the step's token count), covering each chunk with the least padded work (`_cover`), and, for each block,
+    over `kv_block`-token KV blocks up to the causal limit (by default 256 on CPU, 2048 elsewhere). Rows of
+    padded tokens come back as zeros.
     """
     t, h, d = q.shape
     page_size, kvh = k_cache.shape[1], k_cache.shape[2]
@@ -209,7 +244,8 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: 
     # Pad the page table so a block's dynamic slice never clips (clipping would shift the pages it reads).
     page_table = jnp.pad(meta.page_table, ((0, 0), (0, max(block_pages, decode_block_pages))))
     qg = q.reshape(t, kvh, g, d)
-    out = jnp.zeros((t + q_block, kvh, g, d), jnp.float32)
+    sizes = _block_sizes(default_q_blocks() if q_blocks is None else q_blocks, t)
+    out = jnp.zeros((t + sizes[0], kvh, g, d), jnp.float32)
 
     if decode_mode == "auto":
         decode_mode = "loop" if on_cpu else "batched"
@@ -239,7 +275,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: 
     else:
         raise ValueError(f"decode_mode must be auto, loop or batched, not {decode_mode!r}")
 
-    q_pad = jnp.pad(qg, ((0, q_block), (0, 0), (0, 0), (0, 0)))
+    q_pad = jnp.pad(qg, ((0, sizes[0]), (0, 0), (0, 0), (0, 0)))
 
     def prefill_seq(s: jax.Array, out: jax.Array) -> jax.Array:
         q_start, q_end = meta.cu_q_lens[s], meta.cu_q_lens[s + 1]
@@ -261,16 +297,11 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: 
 
             return lax.fori_loop(0, count, qblock_body, out)
 
-        if small_q_block >= q_block:
-            return in_blocks(q_block, 0, (q_len + q_block - 1) // q_block, out)
-        # Whole q_block blocks, then the rest in small blocks, unless one more padded large block is cheaper: a
-        # short rest in a large block pays for q_block rows, a long one in small blocks re-gathers its KV per block.
-        n_big = q_len // q_block
-        n_small = (q_len - n_big * q_block + small_q_block - 1) // small_q_block
-        pad_big = n_small * (small_q_block + Q_BLOCK_OVERHEAD_ROWS) > q_block + Q_BLOCK_OVERHEAD_ROWS
-        n_big = n_big + pad_big.astype(n_big.dtype)
-        out = in_blocks(q_block, 0, n_big, out)
-        return in_blocks(small_q_block, n_big * q_block, jnp.where(pad_big, 0, n_small), out)
+        first = jnp.zeros((), q_len.dtype)
+        for rows, count in zip(sizes, _cover(q_len, sizes)[0], strict=True):
+            out = in_blocks(rows, first, count, out)
+            first = first + count * rows
+        return out
 
     out = lax.fori_loop(meta.num_decodes, meta.num_seqs, prefill_seq, out)
     return out[:t].reshape(t, h, d).astype(q.dtype)
