@@ -28,6 +28,7 @@ from jaxserve.calibrate_steps import (
     step_budget,
     warm_engine,
 )
+from jaxserve.model.paged_attention import default_q_blocks
 from planner.calibration import Sample, fit_coefficients
 from planner.hardware import CATALOG, GIGA, Hardware
 from planner.step_model import step_time_shape
@@ -50,10 +51,11 @@ class CalibrationConfig:
     mixed_decodes: int = 4
     mixed_prompt_len: int = 1024
     mixed_chunk: int = 256  # step token budget while the long prompt is chunked (page multiple)
-    # Then small chunks over a longer prompt, one page and a quarter page at a time: what a small chunk over a
-    # long history costs beyond its FLOPs (the `attn_m_half` coefficient; the sub-page chunks the planner picks
-    # for a tight ITL target on a CPU cost mostly that); every k-th of each run's steps, `mixed_small_samples`.
-    mixed_small_chunks: tuple[int, ...] = (16, 4)
+    # Then small chunks over a longer prompt, one page at a time and, where the runtime has smaller query blocks
+    # (a CPU), as many tokens as the smallest: what a small chunk over a long history costs beyond its FLOPs
+    # (the `attn_m_half` coefficient; the sub-page chunks the planner picks for a tight ITL target on a CPU cost
+    # mostly that); every k-th of each run's steps, `mixed_small_samples` of each.
+    mixed_small_chunks: tuple[int, ...] | None = None  # None: a page and this backend's smallest query block
     mixed_small_prompt_len: int = 2048
     mixed_small_samples: int = 8
     gemm_rows: tuple[int, ...] = (1, 4, 16, 64, 256, 1024)
@@ -235,7 +237,9 @@ def calibrate(engine, cfg: CalibrationConfig | None = None, progress: Progress |
     decodes = min(cfg.mixed_decodes, engine.config.max_num_seqs - 1)
     with step_budget(engine, cfg.mixed_chunk):
         samples += measure_mixed(engine, ids, decodes, prompt)
-    for chunk in cfg.mixed_small_chunks:
+    page = engine.config.page_size
+    chunks = cfg.mixed_small_chunks or tuple(sorted({page, min(page, *default_q_blocks())}, reverse=True))
+    for chunk in chunks:
         say(f"engine mixed steps: {chunk}-token chunks over a long prompt", 0.88)
         prompt = min(cfg.mixed_small_prompt_len, engine.max_model_len - 1)
         with step_budget(engine, engine.config.max_num_batched_tokens, chunk=chunk):
