@@ -54,8 +54,8 @@ def test_chunk_choice_meets_the_itl_target_and_depends_on_the_device():
 
 
 def test_a_target_one_page_per_step_misses_takes_part_of_a_page():
-    # On a calibrated CPU a small chunk over a long history costs mostly its pass over the KV: when even one
-    # 16-token page beside the decodes misses the ITL target, the planner tries 8, then 4 tokens a step.
+    # On a CPU a small chunk over a long history costs mostly its pass over the KV: when even one 16-token page
+    # beside the decodes misses the ITL target, the planner tries 8, then 4 tokens a step (down to min_chunk).
     kw = dict(prompt_len=4096, decode_batch=4, context_len=64, dtype="fp32", min_chunk=4)
     page = planner.choose_chunk_size("small", "cpu", 1e9, **kw)
     per_step = {c: max(planner.chunked_prefill_itls("small", "cpu", 4096, c + 4, decode_batch=4, context_len=64,
