@@ -28,7 +28,7 @@ from jaxserve.calibrate_steps import (
     step_budget,
     warm_engine,
 )
-from jaxserve.model.paged_attention import default_q_blocks
+from jaxserve.model.paged_attention import smallest_chunk
 from planner.calibration import Sample, fit_coefficients
 from planner.hardware import CATALOG, GIGA, Hardware
 from planner.step_model import step_time_shape
@@ -238,7 +238,7 @@ def calibrate(engine, cfg: CalibrationConfig | None = None, progress: Progress |
     with step_budget(engine, cfg.mixed_chunk):
         samples += measure_mixed(engine, ids, decodes, prompt)
     page = engine.config.page_size
-    chunks = cfg.mixed_small_chunks or tuple(sorted({page, min(page, *default_q_blocks())}, reverse=True))
+    chunks = cfg.mixed_small_chunks or tuple(sorted({page, smallest_chunk(page)}, reverse=True))
     for chunk in chunks:
         say(f"engine mixed steps: {chunk}-token chunks over a long prompt", 0.88)
         prompt = min(cfg.mixed_small_prompt_len, engine.max_model_len - 1)

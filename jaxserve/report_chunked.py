@@ -23,7 +23,7 @@ import numpy as np
 from jaxserve.bench.datasets import DatasetConfig, generate
 from jaxserve.bench.load import LoadConfig, RunResult, run_engine
 from jaxserve.calibrate_steps import step_budget
-from jaxserve.model.paged_attention import default_q_blocks
+from jaxserve.model.paged_attention import smallest_chunk
 from jaxserve.report_loads import predict_step_s
 
 if TYPE_CHECKING:
@@ -59,12 +59,6 @@ def _long_output_len(cfg: ReportConfig, prefill_per_step: int) -> int:
     return WARM_TOKENS + math.ceil(cfg.long_prompt_len / prefill_per_step) + cfg.long_tail_tokens
 
 
-def smallest_chunk(page_size: int) -> int:
-    """The finest prefill chunk the report lets the planner pick: the runtime's smallest query block (a finer
-    chunk would pay for that block's rows anyway), at most a page."""
-    return min(page_size, min(default_q_blocks()))
-
-
 def check_long_prompt_fits(cfg: ReportConfig, max_model_len: int, page_size: int) -> None:
     """Raise ValueError if the long prompt and the most tokens it may be asked to generate (chunks of at least
     `smallest_chunk`) exceed the engine's context, before calibrating or measuring anything."""
@@ -97,10 +91,10 @@ def run_chunked(ctx) -> list[dict[str, Any]]:
     # step prefills exactly `per_step` tokens, as predicted (planner/NEEDS_FROM_BENCH.md, item 1).
     # It also pads a step to its token bucket, so the budget is the largest bucket within the planner's chunk.
     # A chunk of less than a page (a tight target on a CPU) is taken as the planner gives it.
-    fitting = [b for b in buckets if b <= choice.chunk_size and b - d >= page]
     if choice.chunk_size - d < page:
         per_step = choice.chunk_size - d
     else:
+        fitting = [b for b in buckets if b <= choice.chunk_size and b - d >= page]
         per_step = max(page, ((max(fitting) if fitting else choice.chunk_size) - d) // page * page)
     rows = []
     # The budget limits the chunk alone: the decodes' own prompts prefill side by side at the start, so all

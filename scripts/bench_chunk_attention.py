@@ -4,7 +4,8 @@
     python scripts/bench_chunk_attention.py --chunks 16,4 --q-blocks 128,16
 
 Unlike `bench_attention.py` (one layer, a pool that just fits, so its KV stays in cache), every layer here has
-its own engine-sized pool (`--pool-pages`), so each step reads its KV from memory as the engine does. Chunk
+its own engine-sized pool (`--pool-pages`; the sequences' pages shuffled over its first pages, as
+`bench_attention.make_case` lays them out), so each step reads its KV from memory as the engine does. Chunk
 sizes are timed in alternating rounds (the machine is shared); each round keeps the best of `--repeat` runs and
 the script prints the median over rounds.
 """
@@ -13,34 +14,15 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_attention import best_time, make_case  # scripts/ is on the path when a script runs
 
 from jaxserve.model.metadata import AttentionMetadata
 from jaxserve.model.paged_attention import default_q_blocks, paged_attention
 from planner.model_spec import PRESETS
-
-
-def make_case(spec, chunk: int, history: int, decodes: int, decode_context: int, page_size: int,
-              width: int, rng: np.random.Generator) -> tuple[jax.Array, AttentionMetadata]:
-    """Queries and metadata for `decodes` one-token sequences and one `chunk`-token chunk after `history`."""
-    seqs = [(1, decode_context)] * decodes + [(chunk, history + chunk)]
-    table = np.zeros((len(seqs), width), np.int32)
-    first = 1
-    for s, (_, kv) in enumerate(seqs):
-        n = -(-kv // page_size)
-        table[s, :n] = np.arange(first, first + n)
-        first += n
-    cu = np.concatenate([[0], np.cumsum([q for q, _ in seqs])]).astype(np.int32)
-    t = int(cu[-1])
-    meta = AttentionMetadata(slot_mapping=jnp.zeros(t, jnp.int32), cu_q_lens=jnp.asarray(cu),
-                             kv_lens=jnp.asarray([kv for _, kv in seqs], jnp.int32), page_table=jnp.asarray(table),
-                             num_seqs=jnp.int32(len(seqs)), num_decodes=jnp.int32(decodes))
-    q = jnp.asarray(rng.standard_normal((t, spec.num_heads, spec.head_dim), dtype=np.float32))
-    return q, meta
 
 
 def main() -> None:
@@ -71,20 +53,15 @@ def main() -> None:
             out = attention(out, k, v, meta)
         return out
 
-    width = -(-8192 // args.page_size)
-    cases = {c: make_case(spec, c, args.history, args.decodes, args.decode_context, args.page_size, width, rng)
-             for c in (int(x) for x in args.chunks.split(","))}
-    for q, meta in cases.values():
-        jax.block_until_ready(layers(q, caches, meta))
+    cases = {}
+    for c in (int(x) for x in args.chunks.split(",")):
+        seqs = [(1, args.decode_context)] * args.decodes + [(c, args.history + c)]
+        q, _, _, meta = make_case(spec, seqs, args.decodes, args.page_size, max_model_len=8192)
+        cases[c] = (q, meta)
     rounds: dict[int, list[float]] = {c: [] for c in cases}
     for _ in range(args.rounds):
         for c, (q, meta) in cases.items():
-            best = np.inf
-            for _ in range(args.repeat):
-                t0 = time.perf_counter()
-                jax.block_until_ready(layers(q, caches, meta))
-                best = min(best, time.perf_counter() - t0)
-            rounds[c].append(best * 1e3)
+            rounds[c].append(best_time(layers, (q, caches, meta), args.repeat) * 1e3)
     print(f"# {args.model}: {spec.num_layers} layers, {args.decodes} decodes at {args.decode_context}, one chunk "
           f"after {args.history} tokens, pool {args.pool_pages} pages/layer, q_blocks {args.q_blocks}")
     for c, times in rounds.items():

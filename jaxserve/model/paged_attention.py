@@ -28,7 +28,7 @@ ACCELERATOR_KV_BLOCK = 2048
 # Query rows per prefill block, largest first: a chunk is covered by whole blocks of the largest size, then of
 # the smaller ones (or one more padded larger block, when cheaper). On a CPU the 8- and 4-row blocks serve
 # sub-page chunks beside running decodes: `small`'s 12 layers of 4 decodes and a chunk over a 4k-token history
-# took 28.9 ms with a 16-row chunk, 22.3 with an 8-row one, 18.1 with a 4-row one (`python
+# took 32.9-33.8 ms with a 16-row chunk, 26.5-27.5 with an 8-row one, 23.0-23.8 with a 4-row one (`python
 # scripts/bench_chunk_attention.py`); before, 8 and 4 rows paid for a 16-row block. Off a CPU every loop costs a
 # host round trip per layer even when it runs no block, so accelerators keep two sizes.
 DEFAULT_Q_BLOCKS = (128, 16, 8, 4)
@@ -193,6 +193,12 @@ def _prefill_block(qb: jax.Array, q_pos0: jax.Array, k_cache: jax.Array, v_cache
 def default_q_blocks() -> tuple[int, ...]:
     """The query-block sizes prefill chunks use on this backend (the smallest is the finest chunk worth taking)."""
     return DEFAULT_Q_BLOCKS if jax.default_backend() == "cpu" else ACCELERATOR_Q_BLOCKS
+
+
+def smallest_chunk(page_size: int) -> int:
+    """The finest prefill chunk worth scheduling: this backend's smallest query block (a finer chunk would pay
+    for that block's rows anyway), at most a page."""
+    return min(page_size, *default_q_blocks())
 
 
 def _block_sizes(q_blocks: Sequence[int], num_tokens: int) -> tuple[int, ...]:
