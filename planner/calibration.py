@@ -3,7 +3,7 @@
 The additive step model is linear in the inverse efficiencies and the overheads:
 
     t = compute0 / compute_eff + (attn0 + attn_m_half * pass0) / (compute_eff * attn_eff_scale)
-        + weights0 / weight_bw_eff
+        + weights0 / weight_bw_eff          (one-row matmuls' weights counted at 1 / gemv_speedup)
         + kv0 / kv_bw_eff + comm_bw0 / comm_eff + comm_latency
         + step_overhead + S * seq_overhead + prefill_tokens * prefill_token_overhead
 
@@ -47,8 +47,9 @@ class Sample:
 
 
 def unit_terms(spec: ModelSpec, hw: Hardware, shape: StepShape, *, tp: int = 1, dtype: str = "bf16",
-               kv_dtype: str | None = None, gemm_m_half: float = 16.0) -> dict[str, float]:
-    """The step model's terms at efficiency 1 (seconds), plus the fixed collective latency."""
+               kv_dtype: str | None = None, gemm_m_half: float = 16.0, gemv_speedup: float = 1.0) -> dict[str, float]:
+    """The step model's terms at efficiency 1 (seconds), plus the fixed collective latency; one-row matmuls
+    read their weights `gemv_speedup` times faster than the `weights` term's unit."""
     peak = hw.peak(dtype)
     out = dict.fromkeys(_COLUMNS, 0.0)
     latency = 0.0
@@ -58,7 +59,8 @@ def unit_terms(spec: ModelSpec, hw: Hardware, shape: StepShape, *, tp: int = 1, 
             g = op.gemm_rows / (op.gemm_rows + gemm_m_half) if op.gemm_rows else 1.0
             col = {"attention": "attn", ATTENTION_PASS: "attn_pass"}.get(op.name, "compute")
             out[col] += op.flops * n / (peak * g)
-        out["weights"] += (op.weight_bytes + op.act_bytes) * n / hw.memory_bw
+        gemv = gemv_speedup if op.gemm_rows == 1 else 1.0
+        out["weights"] += (op.weight_bytes + op.act_bytes) * n / (hw.memory_bw * gemv)
         out["kv"] += op.kv_bytes * n / hw.memory_bw
         for _ in range(op.collectives):
             total = _collective_s(hw, tp, op.comm_bytes, op.allgather, 1.0)
@@ -95,9 +97,9 @@ def fit_coefficients(spec: ModelSpec, hw: Hardware, samples: Sequence[Sample], *
                      fixed: dict[str, float] | None = None) -> tuple[Coefficients, float]:
     """Coefficients that best explain `samples` (min relative squared error) and their median |rel. error|.
 
-    `fixed` holds coefficients measured otherwise (e.g. `weight_bw_eff` from a weight-streaming benchmark:
-    with one model the weight term is nearly constant across steps and cannot be told from the per-step
-    overhead). Efficiencies in `fixed` are moved into the fixed part of the fit.
+    `fixed` holds coefficients measured otherwise (e.g. `weight_bw_eff` and `gemv_speedup` from weight-streaming
+    benchmarks: with one model the weight term is nearly constant across steps and cannot be told from the
+    per-step overhead). Efficiencies in `fixed` are moved into the fixed part of the fit.
 
     Use `hw.with_coefficients(**fitted.to_dict())` or `dataclasses.replace(hw, coefficients=fitted)` and
     `planner.hardware.save_profile` to write the profile.
@@ -107,11 +109,12 @@ def fit_coefficients(spec: ModelSpec, hw: Hardware, samples: Sequence[Sample], *
     prior = prior or hw.coefficients
     fixed = dict(fixed or {})
     eff_of = {"compute": "compute_eff", "weights": "weight_bw_eff", "kv": "kv_bw_eff", "comm_bw": "comm_eff"}
+    gemv_speedup = fixed.get("gemv_speedup", prior.gemv_speedup)
     y = np.array([s.seconds for s in samples])
     best: tuple[float, Coefficients, float] | None = None
     for m_half in M_HALF_GRID:
-        rows = [unit_terms(spec, hw, s.shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype, gemm_m_half=m_half)
-                for s in samples]
+        rows = [unit_terms(spec, hw, s.shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype, gemm_m_half=m_half,
+                           gemv_speedup=gemv_speedup) for s in samples]
         a = np.array([[r[c] for c in _COLUMNS] for r in rows])
         lat = np.array([r["comm_latency"] for r in rows])
         for j, col in enumerate(_COLUMNS):  # held coefficients: their term is known, not fitted
@@ -140,7 +143,7 @@ def fit_coefficients(spec: ModelSpec, hw: Hardware, samples: Sequence[Sample], *
             attn_m_half=attn_m_half,
             weight_bw_eff=inv("weights", prior.weight_bw_eff), kv_bw_eff=inv("kv", prior.kv_bw_eff),
             comm_eff=inv("comm_bw", prior.comm_eff), step_overhead_s=c["step"], layer_overhead_s=0.0,
-            seq_overhead_s=c["seq"], prefill_token_overhead_s=c["prefill_token"])
+            seq_overhead_s=c["seq"], prefill_token_overhead_s=c["prefill_token"], gemv_speedup=gemv_speedup)
         fitted = dataclasses.replace(fitted, **{k: v for k, v in fixed.items() if k in eff_of.values()})
         fitted = Coefficients(**{k: float(v) for k, v in fitted.to_dict().items()})
         # Judge each m_half by what the written coefficients predict (efficiencies are capped at 1.5).

@@ -251,7 +251,8 @@ def time_ops(ops: Sequence[OpCost], spec: ModelSpec, shape: StepShape, hw: Hardw
             if op.name == "attention":
                 eff *= c.attn_eff_scale
             compute += op.flops * n / (peak * eff)
-        weight += (op.weight_bytes + op.act_bytes) * n / (hw.memory_bw * c.weight_bw_eff)
+        w_eff = c.weight_bw_eff * (c.gemv_speedup if op.gemm_rows == 1 else 1.0)
+        weight += (op.weight_bytes + op.act_bytes) * n / (hw.memory_bw * w_eff)
         kv += op.kv_bytes * n / (hw.memory_bw * c.kv_bw_eff)
         for _ in range(op.collectives):
             comm += _collective_s(hw, tp, op.comm_bytes, op.allgather, c.comm_eff) * n

@@ -89,3 +89,27 @@ def test_fit_prices_a_small_chunk_over_a_long_history():
     flops_only = dataclasses.replace(cpu, coefficients=dataclasses.replace(fitted, attn_m_half=0.0))
     assert step_time_shape(SMALL, flops_only, late, dtype="fp32").total_s < 0.8 * step_time_shape(
         SMALL, measured_hw, late, dtype="fp32").total_s
+
+
+def test_a_faster_one_row_kernel_is_held_not_folded_into_the_overheads():
+    """On a CPU one decode token runs XLA's GEMV, which streams weights ~1.3x faster than the 2-16-row GEMMs.
+    With that ratio held (measured by calibrate), the fit leaves the per-step and per-sequence overheads
+    where they were and predicts one- and many-row steps alike; without it, the one-row steps come out slow."""
+    truth = Coefficients(compute_eff=0.6, gemm_m_half=0.0, weight_bw_eff=0.7, kv_bw_eff=0.2,
+                         step_overhead_s=0.002, layer_overhead_s=0.0, seq_overhead_s=3e-4, gemv_speedup=1.35)
+    cpu = CATALOG["cpu"]
+    measured_hw = dataclasses.replace(cpu, coefficients=truth)
+    samples = [Sample(s, step_time_shape(SMALL, measured_hw, s, dtype="fp32").total_s) for s in shapes()]
+    fitted, err = fit_coefficients(SMALL, cpu, samples, dtype="fp32",
+                                   fixed={"weight_bw_eff": 0.7, "gemv_speedup": 1.35})
+    assert err < 0.01
+    assert fitted.gemv_speedup == 1.35
+    assert fitted.step_overhead_s == pytest.approx(0.002, rel=0.1)
+    one_row = decode_shape(1, 300)
+    hw = dataclasses.replace(cpu, coefficients=fitted)
+    assert step_time_shape(SMALL, hw, one_row, dtype="fp32").total_s == pytest.approx(
+        step_time_shape(SMALL, measured_hw, one_row, dtype="fp32").total_s, rel=0.01)
+    blind, _ = fit_coefficients(SMALL, cpu, samples, dtype="fp32", fixed={"weight_bw_eff": 0.7})
+    blind_hw = dataclasses.replace(cpu, coefficients=blind)
+    assert step_time_shape(SMALL, blind_hw, one_row, dtype="fp32").total_s > 1.05 * step_time_shape(
+        SMALL, measured_hw, one_row, dtype="fp32").total_s

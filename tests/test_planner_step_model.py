@@ -109,6 +109,22 @@ def test_bottleneck_names_the_binding_term():
     assert "binds" in step_time(L8B, H100, [512]).explain()
 
 
+def test_gemv_speedup_reads_only_one_row_matmuls_faster():
+    """A device whose one-row kernel streams weights 1.5x faster: a lone decode's weight term shrinks by that
+    much (all its matmuls have one row), two decodes' does not change."""
+    import dataclasses
+
+    fast = dataclasses.replace(H100, coefficients=dataclasses.replace(H100.coefficients, gemv_speedup=1.5))
+    one, two = decode_shape(1, 512), decode_shape(2, 512)
+    assert step_time_shape(L8B, fast, one).weight_s == pytest.approx(  # norm weights and one embedding row aside
+        step_time_shape(L8B, H100, one).weight_s / 1.5, rel=1e-3)
+    assert step_time_shape(L8B, fast, two).weight_s == step_time_shape(L8B, H100, two).weight_s
+    # A lone prefill's lm_head has one row, its projections many: only the former speeds up.
+    chunk = prefill_shape(256)
+    assert step_time_shape(L8B, H100, chunk).weight_s > step_time_shape(L8B, fast, chunk).weight_s > (
+        step_time_shape(L8B, H100, chunk).weight_s / 1.5)
+
+
 def test_batch_shape_adds_decodes_and_chunks():
     s = batch_shape([10, 20], [(5, 3)])
     assert (s.num_decode, s.num_prefill, s.num_tokens, s.num_seqs) == (2, 1, 7, 3)
