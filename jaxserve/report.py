@@ -228,6 +228,7 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
     from jaxserve.report_chunked import run_chunked
     from jaxserve.report_disagg import run_disagg
     from jaxserve.report_loads import run_loads
+    from jaxserve.report_probe import drift, probe
     from jaxserve.report_render import write_markdown, write_plot
     from planner.hardware import load_hardware
 
@@ -256,15 +257,20 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
         log(f"calibrated in {cal.seconds:.0f} s: step fit median |error| {cal.fit.median_abs_error:.1%}")
     ctx = Context(engine=engine, spec=engine.spec, hw=hw, dtype=planner_dtype(engine.dtype), cfg=cfg, log=log)
     rows: list[dict[str, Any]] = []
-    for part in (run_grid, run_loads, run_chunked) + ((run_disagg,) if cfg.disagg else ()):
+    probes = [probe(ctx, "before the grid")]
+    parts = [("grid", run_grid), ("loads", run_loads), ("chunked prefill", run_chunked)]
+    for name, part in parts + ([("disaggregated pools", run_disagg)] if cfg.disagg else []):
         rows += part(ctx)
+        probes.append(probe(ctx, f"after the {name}"))
         (out / "report.partial.json").write_text(json.dumps(finite({"rows": rows}), indent=2) + "\n")
     (out / "report.partial.json").unlink()
+    summary = summarize(rows)
+    summary["machine_drift"] = drift(probes)
     report = {"model": cfg.model, "dtype": ctx.dtype, "hardware": hw.name, "profile": profile,
               "coefficients": hw.coefficients.to_dict(), "calibration": calibration,
               "engine": {"max_num_seqs": engine.config.max_num_seqs, "step_budget": cfg.budget,
                          "page_size": engine.config.page_size, "token_buckets": list(engine.runner.token_buckets)},
-              "config": asdict(cfg), "rows": rows, "summary": summarize(rows),
+              "config": asdict(cfg), "rows": rows, "summary": summary, "reference_steps": probes,
               "seconds": time.monotonic() - t0, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     report = finite(report)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -43,6 +43,9 @@ def write_markdown(report: dict[str, Any], path: str | Path) -> None:
                   f"unchunked stall {_f(cp['measured_unchunked_max_over_undisturbed'])}x (predicted "
                   f"{_f(cp['predicted_unchunked_max_over_undisturbed'])}x, target >= 5x: {s['met']['unchunked_stall']})"
                   f"; predictions within 20%: {s['met']['chunked_prediction']}.", ""]
+    if md := s.get("machine_drift"):
+        lines += ["Machine drift over the run (largest / smallest measured-over-predicted ratio of the reference "
+                  "steps): " + ", ".join(f"{k} {v:.2f}x" for k, v in md.items()) + ".", ""]
     lines += ["## Static grid", "", "| batch | context | TTFT pred | TTFT meas | err | TPOT pred | TPOT meas | err "
               "| tok/s pred | tok/s meas | err |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -88,8 +91,9 @@ def write_markdown(report: dict[str, Any], path: str | Path) -> None:
                          f"{_f(r['predicted_max_itl_ms'])} | {_f(r['measured_max_itl_ms'])} | "
                          f"{_f(r['predicted_ttft_ms'])} | {_f(r['measured_ttft_ms'])} |")
     from jaxserve.report_disagg import markdown as disagg_markdown
+    from jaxserve.report_probe import probe_markdown
 
-    lines += [""] + disagg_markdown(report)
+    lines += [""] + disagg_markdown(report) + probe_markdown(report)
     lines += ["Errors are (predicted - measured) / measured. Grid predictions: the planner's discrete-event "
               "simulator of the same static batch; loads: the simulator on the engine's own arrival trace (a short run "
               "from an empty engine is a transient), the closed form's steady state beside it.", ""]

@@ -53,6 +53,22 @@ def test_report_files_and_keys(report_dir):
     assert modes["chunked"]["config"]["step_budget"] < modes["unchunked"]["config"]["step_budget"]
 
 
+def test_reference_steps_checkpoint_the_machine_between_parts(report_dir):
+    """Before the grid and after every part the report times a lone prefill and a few decodes beside their
+    predictions, so a reader can tell a machine that slowed down from a planner that is wrong."""
+    rep = json.loads((report_dir / "report.json").read_text())
+    whens = [p["when"] for p in rep["reference_steps"]]
+    assert whens[:4] == ["before the grid", "after the grid", "after the loads", "after the chunked prefill"]
+    for p in rep["reference_steps"]:
+        for kind in ("prefill", "decode"):
+            v = p[kind]
+            assert v["measured_ms"] > 0 and v["predicted_ms"] > 0
+            assert v["measured_over_predicted"] == pytest.approx(v["measured_ms"] / v["predicted_ms"])
+    drift = rep["summary"]["machine_drift"]
+    assert set(drift) == {"prefill", "decode"} and all(v >= 1.0 for v in drift.values())
+    assert "## Reference steps" in (report_dir / "report.md").read_text()
+
+
 def test_disagg_rows_measure_each_pool_against_the_planner(report_dir):
     if not DISAGG:
         pytest.skip("one core: --disagg 1+1 is refused")
