@@ -228,7 +228,7 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
     from jaxserve.report_chunked import run_chunked
     from jaxserve.report_disagg import run_disagg
     from jaxserve.report_loads import run_loads
-    from jaxserve.report_probe import drift, probe
+    from jaxserve.report_probe import drift, drift_note, probe
     from jaxserve.report_render import write_markdown, write_plot
     from planner.hardware import load_hardware
 
@@ -266,6 +266,7 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
     (out / "report.partial.json").unlink()
     summary = summarize(rows)
     summary["machine_drift"] = drift(probes)
+    summary["machine_steady"] = drift_note(summary["machine_drift"]) is None
     report = {"model": cfg.model, "dtype": ctx.dtype, "hardware": hw.name, "profile": profile,
               "coefficients": hw.coefficients.to_dict(), "calibration": calibration,
               "engine": {"max_num_seqs": engine.config.max_num_seqs, "step_budget": cfg.budget,

@@ -12,7 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 PREFILL_TOKENS = 256
-DECODES, DECODE_CONTEXT, DECODE_STEPS = 4, 128, 8
+DECODES, DECODE_CONTEXT, DECODE_STEPS = 4, 128, 16
+# Past this spread of a reference step's measured / predicted ratio the report says the machine was unsteady.
+# Five checkpoints in a row right after calibrating `small` (a throwaway driver, ~70 s) spread 1.02-1.08x
+# (prefill) and 1.10-1.16x (decode, the median of 16 steps, then of 8); a slow spell during a report moved them
+# 1.23x and 1.30x (`reports/small-s33`, whose headline errors were 20-22% against 3-8% in the quiet runs).
+UNSTEADY_DRIFT = 1.15
 
 
 def probe(ctx: Any, when: str) -> dict[str, Any]:
@@ -46,6 +51,17 @@ def drift(probes: list[dict[str, Any]]) -> dict[str, float] | None:
         if len(ratios) >= 2:
             out[kind] = max(ratios) / min(ratios)
     return out or None
+
+
+def drift_note(drift_by_kind: dict[str, float] | None) -> str | None:
+    """A warning sentence when a reference step's ratio spread past UNSTEADY_DRIFT, else None."""
+    over = {k: v for k, v in (drift_by_kind or {}).items() if v > UNSTEADY_DRIFT}
+    if not over:
+        return None
+    what = ", ".join(f"{k} {v:.2f}x" for k, v in over.items())
+    return (f"The machine was unsteady during this run (reference steps moved {what} against their predictions, "
+            f"more than {UNSTEADY_DRIFT:.2f}x): its errors mix the planner's with the machine's; rerun on a quiet "
+            "machine before judging the planner.")
 
 
 def probe_markdown(report: dict[str, Any]) -> list[str]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from jaxserve.report_probe import drift_note, probe_markdown
+
 
 def _f(v: Any, fmt: str = ".1f") -> str:
     return "-" if v is None else format(v, fmt)
@@ -46,6 +48,8 @@ def write_markdown(report: dict[str, Any], path: str | Path) -> None:
     if md := s.get("machine_drift"):
         lines += ["Machine drift over the run (largest / smallest measured-over-predicted ratio of the reference "
                   "steps): " + ", ".join(f"{k} {v:.2f}x" for k, v in md.items()) + ".", ""]
+        if note := drift_note(md):
+            lines += [f"**{note}**", ""]
     lines += ["## Static grid", "", "| batch | context | TTFT pred | TTFT meas | err | TPOT pred | TPOT meas | err "
               "| tok/s pred | tok/s meas | err |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -91,7 +95,6 @@ def write_markdown(report: dict[str, Any], path: str | Path) -> None:
                          f"{_f(r['predicted_max_itl_ms'])} | {_f(r['measured_max_itl_ms'])} | "
                          f"{_f(r['predicted_ttft_ms'])} | {_f(r['measured_ttft_ms'])} |")
     from jaxserve.report_disagg import markdown as disagg_markdown
-    from jaxserve.report_probe import probe_markdown
 
     lines += [""] + disagg_markdown(report) + probe_markdown(report)
     lines += ["Errors are (predicted - measured) / measured. Grid predictions: the planner's discrete-event "

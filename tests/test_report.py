@@ -13,6 +13,7 @@ from jaxserve.bench.load import RunResult, StepRecord
 from jaxserve.bench.results import RequestRecord
 from jaxserve.report import ReportConfig, check_context, summarize
 from jaxserve.report_chunked import decode_gaps
+from jaxserve.report_probe import drift_note
 
 ROW_KEYS = {"kind", "config", "predicted_ttft_ms", "measured_ttft_ms", "predicted_tpot_ms", "measured_tpot_ms",
             "predicted_throughput", "measured_throughput", "ttft_error_pct", "tpot_error_pct", "throughput_error_pct"}
@@ -66,7 +67,15 @@ def test_reference_steps_checkpoint_the_machine_between_parts(report_dir):
             assert v["measured_over_predicted"] == pytest.approx(v["measured_ms"] / v["predicted_ms"])
     drift = rep["summary"]["machine_drift"]
     assert set(drift) == {"prefill", "decode"} and all(v >= 1.0 for v in drift.values())
+    assert rep["summary"]["machine_steady"] == (drift_note(drift) is None)
     assert "## Reference steps" in (report_dir / "report.md").read_text()
+
+
+def test_an_unsteady_machine_is_named_in_the_report():
+    assert drift_note(None) is None
+    assert drift_note({"prefill": 1.02, "decode": 1.10}) is None
+    note = drift_note({"prefill": 1.23, "decode": 1.30})
+    assert "unsteady" in note and "prefill 1.23x" in note and "decode 1.30x" in note
 
 
 def test_disagg_rows_measure_each_pool_against_the_planner(report_dir):
