@@ -164,31 +164,43 @@ def measure_gemm_rows(rows: tuple[int, ...], k: int, n: int, dtype: Any, repeats
     return out
 
 
-def measure_weight_streams(layers: int, k: int, n: int, dtype: Any, rows: tuple[int, ...] = (1, 2),
-                           repeats: int = 50) -> dict[int, float]:
-    """Weight bytes/s of each `rows` count of tokens through `layers` distinct [k, n] weights, as the model runs
-    them (`linear`): a decode's weight streaming, beyond cache. The row counts alternate and each keeps its
-    median, so their ratio compares the two kernels in the same state of the machine: a best-of-10 once read
-    one row at 69 GB/s against the 44-47 it streams at otherwise; four calls of this read 1.22-1.29 for `small`
-    (1.21-1.61 with 15 repeats)."""
+def measure_weight_streams(weights: list[Any], rows: tuple[int, ...] = (1, 2), repeats: int = 50) -> dict[int, float]:
+    """Weight bytes/s of each `rows` count of tokens through `weights` ([in, ...] arrays, together more than a
+    cache holds), as the model runs them (`linear`): a decode's weight streaming. The row counts alternate and
+    each keeps its median, so their ratio compares the two kernels in the same state of the machine."""
     import jax
     import jax.numpy as jnp
 
     from jaxserve.model.llama import linear
 
-    ws = [jnp.full((k, n), 1e-3 * (i + 1), dtype) for i in range(layers)]
-    f = jax.jit(lambda x, ws: sum(linear(x, w) for w in ws))
-    xs = {r: jnp.ones((r, k), dtype) for r in rows}
+    f = jax.jit(lambda x, ws: sum(linear(x, w).sum() for w in ws))
+    k = weights[0].shape[0]
+    xs = {r: jnp.ones((r, k), weights[0].dtype) for r in rows}
     times: dict[int, list[float]] = {r: [] for r in rows}
     for r in rows:
-        jax.block_until_ready(f(xs[r], ws))  # compile
+        jax.block_until_ready(f(xs[r], weights))  # compile
     for _ in range(repeats):
         for r in rows:
             t0 = time.perf_counter()
-            jax.block_until_ready(f(xs[r], ws))
+            jax.block_until_ready(f(xs[r], weights))
             times[r].append(time.perf_counter() - t0)
-    nbytes = layers * k * n * np.dtype(dtype).itemsize
+    nbytes = sum(w.size * w.dtype.itemsize for w in weights)
     return {r: nbytes / float(np.median(times[r])) for r in rows}
+
+
+def engine_mlp_weights(engine) -> list[Any]:
+    """The engine's own fused gate/up weights ([hidden, 2, intermediate], one per layer), or fresh arrays of that
+    shape when the model has none. Their own: on this VM a fresh 150 MB of arrays streamed at 44-47 GB/s in
+    most calibrations and at 60-71 in a third of them (page placement, as the streaming sum's 39-72), while the
+    engine's one-request TPOT did not move; so the rate is measured on the memory a decode step reads."""
+    import jax.numpy as jnp
+
+    spec = engine.spec
+    shape = (spec.hidden_size, 2, spec.intermediate_size)
+    own = [w for w in engine.runner.param_leaves if tuple(w.shape) == shape]
+    if len(own) == spec.num_layers:
+        return own
+    return [jnp.full(shape, 1e-3 * (i + 1), engine.dtype) for i in range(spec.num_layers)]
 
 
 # The profile ------------------------------------------------------------------------------------------------------
@@ -264,10 +276,10 @@ def calibrate(engine, cfg: CalibrationConfig | None = None, progress: Progress |
         samples += small[every - 1::every]  # ends at (or near) the longest history
     say("fitting", 0.95)
     # With one model the weight term barely varies between steps, so it is measured: two rows and one, in
-    # turn, through every layer's widest weight (more bytes than a cache holds). Two rows' bandwidth over the
+    # turn, through every layer's widest weight, the engine's own. Two rows' bandwidth over the
     # stream's is weight_bw_eff; one row can run another kernel (XLA's CPU GEMV streams ~1.4x faster than
     # the 2-16-row GEMMs), so its rate over two rows' is gemv_speedup.
-    streams = measure_weight_streams(spec.num_layers, spec.hidden_size, 2 * spec.intermediate_size, engine.dtype)
+    streams = measure_weight_streams(engine_mlp_weights(engine))
     stream, stream_rows = streams[1], streams[2]
     fixed = {"weight_bw_eff": float(np.clip(stream_rows / bw, 0.01, 1.5)),
              "gemv_speedup": float(np.clip(stream / stream_rows, 0.5, 3.0))}
