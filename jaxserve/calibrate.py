@@ -190,9 +190,9 @@ def measure_weight_streams(weights: list[Any], rows: tuple[int, ...] = (1, 2), r
 
 def engine_mlp_weights(engine) -> list[Any]:
     """The engine's own fused gate/up weights ([hidden, 2, intermediate], one per layer), or fresh arrays of that
-    shape when the model has none. Their own: on this VM a fresh 150 MB of arrays streamed at 44-47 GB/s in
-    most calibrations and at 60-71 in a third of them (page placement, as the streaming sum's 39-72), while the
-    engine's one-request TPOT did not move; so the rate is measured on the memory a decode step reads."""
+    shape when the model has none: the rate is measured on the memory a decode step reads. On this VM one row
+    streamed at 43-49 GB/s in most calibrations and at 58-71 in a third of them, fresh arrays or the engine's
+    own (`reports/small-s42`), while the engine's one-request TPOT stayed at 12-13 ms; the cause is not known."""
     import jax.numpy as jnp
 
     spec = engine.spec
