@@ -277,7 +277,7 @@ def calibrate(engine, cfg: CalibrationConfig | None = None, progress: Progress |
     say("fitting", 0.95)
     # With one model the weight term barely varies between steps, so it is measured: two rows and one, in
     # turn, through every layer's widest weight, the engine's own. Two rows' bandwidth over the
-    # stream's is weight_bw_eff; one row can run another kernel (XLA's CPU GEMV streams ~1.4x faster than
+    # stream's is weight_bw_eff; one row can run another kernel (XLA's CPU GEMV streams ~1.3x faster than
     # the 2-16-row GEMMs), so its rate over two rows' is gemv_speedup.
     streams = measure_weight_streams(engine_mlp_weights(engine))
     stream, stream_rows = streams[1], streams[2]
