@@ -28,7 +28,8 @@ def probe(ctx: Any, when: str) -> dict[str, Any]:
     engine = ctx.engine
     ctx.next_salt()  # fresh prompts each time: a repeated one would be served from the prefix cache
     ids = PromptSource(engine, 7919 * ctx.cfg.seed + ctx.salt)
-    prefill_len = min(PREFILL_TOKENS, engine.config.max_num_batched_tokens, engine.max_model_len - 1)
+    sc = engine.scheduler.config  # a longer prompt would be chunked, and measure_prefill keeps one-step prefills
+    prefill_len = min(PREFILL_TOKENS, sc.max_num_batched_tokens, sc.chunk_size, engine.max_model_len - 1)
     samples = measure_prefill(engine, ids, (prefill_len,), repeats=3)
     context = min(DECODE_CONTEXT, engine.max_model_len - DECODE_STEPS - 8)
     samples += measure_decode(engine, ids, min(DECODES, engine.config.max_num_seqs), context, DECODE_STEPS)
