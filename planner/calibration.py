@@ -3,12 +3,13 @@
 The additive step model is linear in the inverse efficiencies and the overheads:
 
     t = compute0 / compute_eff + (attn0 + attn_m_half * pass0) / (compute_eff * attn_eff_scale)
-        + weights0 / weight_bw_eff          (one-row matmuls' weights counted at 1 / gemv_speedup)
+        + weights0 / weight_bw_eff + gemv0 / (weight_bw_eff * gemv_speedup)
         + kv0 / kv_bw_eff + comm_bw0 / comm_eff + comm_latency
         + step_overhead + S * seq_overhead + prefill_tokens * prefill_token_overhead
 
 where `compute0` (GEMMs), `attn0` (attention FLOPs), `pass0` (one query row over each prefill chunk's KV),
-`weights0`, `kv0`, `comm_bw0` are the model's terms at efficiency 1 (`unit_terms`). Attention has its own
+`weights0` (matmuls of two rows or more), `gemv0` (one-row matmuls), `kv0`, `comm_bw0` are the model's terms at
+efficiency 1 (`unit_terms`). Attention has its own
 efficiency: on a CPU the jnp paged attention runs far below the GEMMs, and sharing one efficiency made the fit
 trade long-context (chunked) steps against short prefills, over-predicting the latter by ~20%. Its per-pass
 term prices what a small chunk over a long history costs beyond its FLOPs (a 16-row chunk over 4k keys ran
@@ -17,7 +18,9 @@ non-negative least-squares fit on relative error (each row divided by its measur
 GEMM half-efficiency size `gemm_m_half` is chosen from a grid. Terms the samples cannot separate keep the
 prior. The per-layer overhead folds into the per-step one (one model has one layer count), and
 `gemm_m_half` trades off against the per-step overhead (a GEMM's time is linear in M with an intercept), so
-the pair is fitted for its predictions, not as two separately meaningful numbers.
+the pair is fitted for its predictions, not as two separately meaningful numbers. So is `gemv_speedup` when it
+is not held: its column holds one-decode steps only, so it also takes whatever else such a step costs apart
+(a one-token step has its own attention and KV-write paths); the other steps pin the per-step overhead.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ from planner.model_spec import ModelSpec
 from planner.step_model import ATTENTION_PASS, StepShape, _collective_s, op_costs, step_time_shape
 
 M_HALF_GRID = (0.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
-_COLUMNS = ("compute", "attn", "attn_pass", "weights", "kv", "comm_bw", "step", "seq", "prefill_token")
+_COLUMNS = ("compute", "attn", "attn_pass", "weights", "gemv", "kv", "comm_bw", "step", "seq", "prefill_token")
 _EFF_COLUMNS = ("compute", "attn", "weights", "kv", "comm_bw")
+GEMV_SPEEDUP_RANGE = (0.5, 3.0)  # what a fitted one-row rate may be, relative to the multi-row one
 
 
 @dataclass(frozen=True)
@@ -47,9 +51,10 @@ class Sample:
 
 
 def unit_terms(spec: ModelSpec, hw: Hardware, shape: StepShape, *, tp: int = 1, dtype: str = "bf16",
-               kv_dtype: str | None = None, gemm_m_half: float = 16.0, gemv_speedup: float = 1.0) -> dict[str, float]:
-    """The step model's terms at efficiency 1 (seconds), plus the fixed collective latency; one-row matmuls
-    read their weights `gemv_speedup` times faster than the `weights` term's unit."""
+               kv_dtype: str | None = None, gemm_m_half: float = 16.0) -> dict[str, float]:
+    """The step model's terms at efficiency 1 (seconds), plus the fixed collective latency; the weights of
+    one-row matmuls (`gemv`) apart from the others' (`weights`), since a CPU streams them through another
+    kernel."""
     peak = hw.peak(dtype)
     out = dict.fromkeys(_COLUMNS, 0.0)
     latency = 0.0
@@ -59,8 +64,7 @@ def unit_terms(spec: ModelSpec, hw: Hardware, shape: StepShape, *, tp: int = 1, 
             g = op.gemm_rows / (op.gemm_rows + gemm_m_half) if op.gemm_rows else 1.0
             col = {"attention": "attn", ATTENTION_PASS: "attn_pass"}.get(op.name, "compute")
             out[col] += op.flops * n / (peak * g)
-        gemv = gemv_speedup if op.gemm_rows == 1 else 1.0
-        out["weights"] += (op.weight_bytes + op.act_bytes) * n / (hw.memory_bw * gemv)
+        out["gemv" if op.gemm_rows == 1 else "weights"] += (op.weight_bytes + op.act_bytes) * n / hw.memory_bw
         out["kv"] += op.kv_bytes * n / hw.memory_bw
         for _ in range(op.collectives):
             total = _collective_s(hw, tp, op.comm_bytes, op.allgather, 1.0)
@@ -97,9 +101,10 @@ def fit_coefficients(spec: ModelSpec, hw: Hardware, samples: Sequence[Sample], *
                      fixed: dict[str, float] | None = None) -> tuple[Coefficients, float]:
     """Coefficients that best explain `samples` (min relative squared error) and their median |rel. error|.
 
-    `fixed` holds coefficients measured otherwise (e.g. `weight_bw_eff` and `gemv_speedup` from weight-streaming
-    benchmarks: with one model the weight term is nearly constant across steps and cannot be told from the
-    per-step overhead). Efficiencies in `fixed` are moved into the fixed part of the fit.
+    `fixed` holds coefficients measured otherwise (e.g. `weight_bw_eff` from a weight-streaming benchmark: with
+    one model the weight term is nearly constant across steps and cannot be told from the per-step overhead).
+    Efficiencies in `fixed` are moved into the fixed part of the fit; `gemv_speedup`, unless held there, is
+    fitted from the one-row steps (within GEMV_SPEEDUP_RANGE), the prior's where there are none.
 
     Use `hw.with_coefficients(**fitted.to_dict())` or `dataclasses.replace(hw, coefficients=fitted)` and
     `planner.hardware.save_profile` to write the profile.
@@ -109,14 +114,18 @@ def fit_coefficients(spec: ModelSpec, hw: Hardware, samples: Sequence[Sample], *
     prior = prior or hw.coefficients
     fixed = dict(fixed or {})
     eff_of = {"compute": "compute_eff", "weights": "weight_bw_eff", "kv": "kv_bw_eff", "comm_bw": "comm_eff"}
-    gemv_speedup = fixed.get("gemv_speedup", prior.gemv_speedup)
+    held_gemv = fixed.get("gemv_speedup")
     y = np.array([s.seconds for s in samples])
+    jw, jg = _COLUMNS.index("weights"), _COLUMNS.index("gemv")
     best: tuple[float, Coefficients, float] | None = None
     for m_half in M_HALF_GRID:
-        rows = [unit_terms(spec, hw, s.shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype, gemm_m_half=m_half,
-                           gemv_speedup=gemv_speedup) for s in samples]
+        rows = [unit_terms(spec, hw, s.shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype, gemm_m_half=m_half)
+                for s in samples]
         a = np.array([[r[c] for c in _COLUMNS] for r in rows])
         lat = np.array([r["comm_latency"] for r in rows])
+        if held_gemv is not None:  # one-row weights are the multi-row ones', read held_gemv times faster
+            a[:, jw] += a[:, jg] / held_gemv
+            a[:, jg] = 0.0
         for j, col in enumerate(_COLUMNS):  # held coefficients: their term is known, not fitted
             if eff_of.get(col) in fixed:
                 lat = lat + a[:, j] / fixed[eff_of[col]]
@@ -125,6 +134,8 @@ def fit_coefficients(spec: ModelSpec, hw: Hardware, samples: Sequence[Sample], *
         keep = [j for j in range(a.shape[1]) if np.any(a[:, j] > 0)]
         # Efficiencies are capped at 1.5, so their inverse terms are bounded below by 1/1.5: fit the excess.
         floor = np.array([1 / 1.5 if col in _EFF_COLUMNS and j in keep else 0.0 for j, col in enumerate(_COLUMNS)])
+        if "weight_bw_eff" in fixed and jg in keep:  # likewise the GEMV's, capped at GEMV_SPEEDUP_RANGE's top
+            floor[jg] = 1 / (fixed["weight_bw_eff"] * GEMV_SPEEDUP_RANGE[1])
         x = floor.copy()
         x[keep] += _nnls(a[:, keep] * w[:, None], (y - lat - a @ floor) * w)
         c = dict(zip(_COLUMNS, x, strict=True))
@@ -138,10 +149,14 @@ def fit_coefficients(spec: ModelSpec, hw: Hardware, samples: Sequence[Sample], *
         attn_eff = inv("attn", compute_eff * prior.attn_eff_scale)
         # A pass costs attn_m_half query rows at attention's rate: the ratio of the two fitted inverse rates.
         attn_m_half = c["attn_pass"] * attn_eff if "attn_pass" in present and "attn" in present else prior.attn_m_half
+        weight_bw_eff = fixed.get("weight_bw_eff", inv("weights", prior.weight_bw_eff))
+        gemv_speedup = held_gemv if held_gemv is not None else prior.gemv_speedup
+        if held_gemv is None and "gemv" in present:
+            gemv_speedup = float(np.clip(1.0 / (c["gemv"] * weight_bw_eff), *GEMV_SPEEDUP_RANGE))
         fitted = dataclasses.replace(
             prior, compute_eff=compute_eff, gemm_m_half=m_half, attn_eff_scale=attn_eff / compute_eff,
             attn_m_half=attn_m_half,
-            weight_bw_eff=inv("weights", prior.weight_bw_eff), kv_bw_eff=inv("kv", prior.kv_bw_eff),
+            weight_bw_eff=weight_bw_eff, kv_bw_eff=inv("kv", prior.kv_bw_eff),
             comm_eff=inv("comm_bw", prior.comm_eff), step_overhead_s=c["step"], layer_overhead_s=0.0,
             seq_overhead_s=c["seq"], prefill_token_overhead_s=c["prefill_token"], gemv_speedup=gemv_speedup)
         fitted = dataclasses.replace(fitted, **{k: v for k, v in fixed.items() if k in eff_of.values()})

@@ -63,8 +63,8 @@ COEFFICIENT_DOCS: dict[str, str] = {
                    "overhead): a chunk of c rows over kv keys costs (c + attn_m_half) x kv pairs; small chunks "
                    "over long histories are far below the FLOP rate",
     "gemv_speedup": "weight-read rate of a one-row matmul over that of a few-row one (weight_bw_eff's): a CPU "
-                    "runs one row through a GEMV kernel that streams ~1.3x faster than its 2-16-row GEMMs; 1 on "
-                    "GPUs unless measured",
+                    "runs one row through a GEMV kernel that streams ~1.3x faster than its 2-16-row GEMMs; calibrate "
+                    "fits it from one-decode steps; 1 on GPUs unless calibrated",
 }
 
 

@@ -39,13 +39,13 @@ def test_samples_cover_prefill_decode_and_mixed_steps(calibration):
     assert all(s.seconds > 0 for s in calibration.samples)
     assert len(calibration.fit.errors) == len(calibration.samples)
     assert calibration.fit.fixed["weight_bw_eff"] > 0
-    # One row and two rows stream the weights through different kernels on a CPU; both rates are measured,
-    # and their ratio is held within [0.5, 3] (`tiny`'s weights sit in cache, where the two kernels' fixed
-    # costs, not bandwidth, set it).
+    # Two rows stream the weights as a decode of a few requests does: held as weight_bw_eff. One row runs
+    # another kernel on a CPU; its rate is fitted from the one-decode steps, within its range.
     m = calibration.measurements
-    ratio = m["weight_stream_gbps"] / m["weight_stream_2_rows_gbps"]
-    assert calibration.fit.fixed["gemv_speedup"] == pytest.approx(min(3.0, max(0.5, ratio)))
-    assert calibration.hardware.coefficients.gemv_speedup == calibration.fit.fixed["gemv_speedup"]
+    assert "gemv_speedup" not in calibration.fit.fixed
+    assert m["weight_stream_gbps"] > 0 and m["weight_stream_2_rows_gbps"] > 0
+    assert any(s.shape.num_decode == 1 and s.shape.prefill_tokens == 0 for s in calibration.samples)
+    assert 0.5 <= calibration.hardware.coefficients.gemv_speedup <= 3.0
 
 
 def test_step_budget_restores_the_scheduler(tiny_llm):
