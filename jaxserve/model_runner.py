@@ -32,6 +32,13 @@ from jaxserve.parallel import AXIS, fit_spec, params_shardings, put_global, repl
 from jaxserve.sampler import SamplingArrays, sample_tokens
 
 WARM_REAL_TOKENS = 512  # warm-up runs buckets up to this size once with real work
+# Token buckets above this compile, on a CPU, with every dot a YNNPACK call of its own: from ~4096 rows XLA's CPU
+# backend fuses each RMSNorm into the next projection's YNNPACK dot, which then runs at ~60% of its unfused
+# speed (`small`'s gate/up dot 26 -> 104 ms a layer from 2048 to 4096 rows in a profile; norm + dot alone at
+# 4096 rows, 120 against 72 ms). Below, the default fusions stay: separate dots ran one-decode steps ~1 ms
+# slower (more of XLA's own loops for the attention's reductions).
+CPU_SEPARATE_DOTS_ABOVE = 2048
+CPU_SEPARATE_DOTS_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 WARM_HISTORY = 544  # ...after this many tokens of (trash) history: past a 512-token decode block, 256-token KV blocks
 
 
@@ -115,9 +122,11 @@ class ModelRunner:
         sharding = kv_caches[0][0].sharding
         self.platform = next(iter(sharding.device_set)).platform  # "cpu", "gpu", "tpu"
         self.mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
+        wide = dict(compiler_options=CPU_SEPARATE_DOTS_OPTIONS) if self.platform == "cpu" else {}
         if self.mesh is None:  # plain single-device arrays
             self._replicated = None
             self._forward = jax.jit(self._forward_impl, donate_argnums=(1,))
+            self._forward_wide = jax.jit(self._forward_impl, donate_argnums=(1,), **wide) if wide else self._forward
             self._sample = jax.jit(self._sample_impl)
             self._insert = jax.jit(self._insert_impl, donate_argnums=(0,))
             self._gather = jax.jit(self._gather_impl, static_argnums=(2,))
@@ -131,6 +140,8 @@ class ModelRunner:
         kv_sh = jax.tree.map(lambda x: x.sharding, kv_caches)
         self._forward = jax.jit(self._forward_impl, donate_argnums=(1,),
                                 in_shardings=(params_sh, kv_sh, rep, rep), out_shardings=(rep, kv_sh))
+        self._forward_wide = jax.jit(self._forward_impl, donate_argnums=(1,), in_shardings=(params_sh, kv_sh, rep, rep),
+                                     out_shardings=(rep, kv_sh), **wide) if wide else self._forward
         self._sample = jax.jit(self._sample_impl, in_shardings=(params_sh, *(rep,) * 8), out_shardings=rep)
         # Transfers: the block's sharding follows from its head count (see `pages_sharding`); the pool keeps its own.
         self._gather = jax.jit(self._gather_impl, static_argnums=(2,))
@@ -231,8 +242,9 @@ class ModelRunner:
             self.step_hook(batch, sampling)
         num_tokens = bucket_for(batch.num_tokens, self.token_buckets)
         prev_tokens = self._no_prev if prev is None else prev[0]
-        hidden_rows, self.kv_caches = self._forward(self.param_leaves, self.kv_caches,
-                                                    self._device_inputs(batch, num_tokens), prev_tokens)
+        hidden_rows, self.kv_caches = self._forward_for(num_tokens)(self.param_leaves, self.kv_caches,
+                                                                    self._device_inputs(batch, num_tokens),
+                                                                    prev_tokens)
         rows = self._put((sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed,
                           sampling.step, np.bool_(sampling.want_logprobs)))
         return self._sample(self.param_leaves, hidden_rows, *rows)
@@ -297,8 +309,8 @@ class ModelRunner:
             # request. Past WARM_REAL_TOKENS that penalty is small beside the step itself and the work would slow
             # start-up, so those buckets only compile (on an empty batch).
             batch = _trash_prefill(t, self.page_size, self.max_num_seqs, max_len) if t <= WARM_REAL_TOKENS else empty
-            hidden_rows, self.kv_caches = self._forward(self.param_leaves, self.kv_caches,
-                                                        self._device_inputs(batch, t), self._no_prev)
+            hidden_rows, self.kv_caches = self._forward_for(t)(self.param_leaves, self.kv_caches,
+                                                               self._device_inputs(batch, t), self._no_prev)
             jax.block_until_ready(hidden_rows)
         for s in self.seq_buckets:
             a = SamplingArrays.build([], s)
@@ -318,9 +330,14 @@ class ModelRunner:
                 self.insert_pages(block, [])
         jax.block_until_ready(self.kv_caches)
 
+    def _forward_for(self, num_tokens: int) -> Callable:
+        """The jitted forward for a `num_tokens` bucket (see CPU_SEPARATE_DOTS_ABOVE)."""
+        return self._forward_wide if num_tokens > CPU_SEPARATE_DOTS_ABOVE else self._forward
+
     def compile_count(self) -> int:
         """Compiled variants of the step functions so far (grows only when a new shape appears)."""
-        return sum(f._cache_size() for f in (self._forward, self._sample, self._gather, self._insert))
+        fns = {id(f): f for f in (self._forward, self._forward_wide, self._sample, self._gather, self._insert)}
+        return sum(f._cache_size() for f in fns.values())
 
 
 def _trash_prefill(num_tokens: int, page_size: int, max_seqs: int = 1, max_len: int = 0) -> RaggedBatch:
