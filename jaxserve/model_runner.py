@@ -35,8 +35,8 @@ WARM_REAL_TOKENS = 512  # warm-up runs buckets up to this size once with real wo
 # Token buckets above this compile, on a CPU, with every dot a YNNPACK call of its own: from ~4096 rows XLA's CPU
 # backend fuses each RMSNorm into the next projection's YNNPACK dot, which then runs at ~60% of its unfused
 # speed (`small`'s gate/up dot 26 -> 104 ms a layer from 2048 to 4096 rows in a profile; norm + dot alone at
-# 4096 rows, 120 against 72 ms). Below, the default fusions stay: separate dots ran one-decode steps ~1 ms
-# slower (more of XLA's own loops for the attention's reductions).
+# 4096 rows, 120 against 72 ms; BUILD.md). Below, the default fusions stay: with separate dots one-decode steps
+# ran ~1 ms slower (`python scripts/profile_step.py --model small --batch 1` under the equivalent XLA flag).
 CPU_SEPARATE_DOTS_ABOVE = 2048
 CPU_SEPARATE_DOTS_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 WARM_HISTORY = 544  # ...after this many tokens of (trash) history: past a 512-token decode block, 256-token KV blocks

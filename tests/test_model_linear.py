@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.model.llama import CPU_EIGEN_MAX_ROWS, linear
+from jaxserve.model.llama import CPU_EIGEN_MAX_ROWS, RMSNorm, linear
+from jaxserve.model_runner import CPU_SEPARATE_DOTS_ABOVE, CPU_SEPARATE_DOTS_OPTIONS
 
 
 @pytest.mark.parametrize("rows", [1, 2, CPU_EIGEN_MAX_ROWS, CPU_EIGEN_MAX_ROWS + 8, 64])
@@ -37,9 +38,6 @@ def test_a_few_rows_are_kept_away_from_ynnpack_on_cpu() -> None:
 def test_wide_steps_keep_each_norm_out_of_the_next_dot_on_cpu() -> None:
     """Buckets above CPU_SEPARATE_DOTS_ABOVE compile with every dot a YNNPACK call of its own, so an RMSNorm is
     never recomputed inside the projection after it (XLA fuses the two from ~4096 rows, at ~60% of the speed)."""
-    from jaxserve.model.llama import RMSNorm
-    from jaxserve.model_runner import CPU_SEPARATE_DOTS_ABOVE, CPU_SEPARATE_DOTS_OPTIONS
-
     norm = RMSNorm(768, 1e-5, jnp.float32)
     w = jnp.ones((768, 2, 2048), jnp.float32)
     x = jnp.ones((2 * CPU_SEPARATE_DOTS_ABOVE, 768), jnp.float32)
