@@ -12,7 +12,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxserve.model.metadata import AttentionMetadata
-from jaxserve.model.paged_attention import DEFAULT_Q_BLOCKS, _block_sizes, _cover, paged_attention, write_kv
+from jaxserve.model.paged_attention import (
+    DEFAULT_Q_BLOCKS,
+    _block_sizes,
+    _cover,
+    _wide_block_pages,
+    paged_attention,
+    write_kv,
+)
 
 jax.config.update("jax_enable_x64", False)
 
@@ -20,7 +27,8 @@ jax.config.update("jax_enable_x64", False)
 T_PAD, S_PAD, PAGES_PER_SEQ, PAGE_SIZE, NUM_PAGES, D = 48, 8, 12, 4, 80, 16
 
 
-def build_batch(rng: np.random.Generator, decode_ctx: list[int], prefill: list[tuple[int, int]]):
+def build_batch(rng: np.random.Generator, decode_ctx: list[int], prefill: list[tuple[int, int]],
+                pages_per_seq: int = PAGES_PER_SEQ, num_pages: int = NUM_PAGES):
     """Decodes (context lengths incl. the new token) then prefill chunks (q_len, prior context).
 
     Returns host arrays of an AttentionMetadata padded to the fixed bucket, with shuffled distinct pages.
@@ -33,8 +41,8 @@ def build_batch(rng: np.random.Generator, decode_ctx: list[int], prefill: list[t
     cu[n + 1 :] = cu[n]
     kv = np.zeros(S_PAD, np.int32)
     kv[:n] = kv_lens
-    pages = rng.permutation(np.arange(1, NUM_PAGES))
-    table = np.zeros((S_PAD, PAGES_PER_SEQ), np.int32)
+    pages = rng.permutation(np.arange(1, num_pages))
+    table = np.zeros((S_PAD, pages_per_seq), np.int32)
     used = 0
     slot = np.zeros(T_PAD, np.int32)  # padded tokens -> trash page 0
     for s in range(n):
@@ -117,6 +125,32 @@ def test_block_sizes_do_not_change_result():
     rng = np.random.default_rng(3)
     for kv_block, q_block in [(4, 4), (16, 32), (256, 128), (2048, 128)]:  # 2048: the default off a CPU
         check(rng, 4, 2, [30, 3], [(14, 5), (7, 0)], kv_block=kv_block, q_block=q_block)
+
+
+def test_small_query_blocks_read_a_long_history_in_wider_kv_blocks():
+    # `small`'s shapes: a 4-row chunk (12 query rows a KV head) reads 2048-key blocks, then 512-key ones; a
+    # 128-row block (384 rows) keeps the 256-key default; a table narrower than a block never gets it.
+    assert _wide_block_pages(12, block_pages=16, page_size=16, max_pages=512) == (128, 32)
+    assert _wide_block_pages(48, block_pages=16, page_size=16, max_pages=512) == (128, 32)
+    assert _wide_block_pages(384, block_pages=16, page_size=16, max_pages=512) == ()
+    assert _wide_block_pages(12, block_pages=16, page_size=16, max_pages=100) == (32,)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), HEADS[:2])
+def test_small_chunks_over_a_long_history_match_the_reference(heads, kv_heads):
+    """Chunks of 1-9 rows after ~600 tokens: every ladder of wide KV blocks, the default blocks after them and
+    the masked diagonal block all run (page size 4: 128-, 32- and 8-page blocks before 2-page ones)."""
+    rng = np.random.default_rng(11)
+    pages_per_seq, num_pages = 200, 700
+    fn = attention_fn(8, 8, "loop")
+    for prefill in ([(1, 600), (3, 517)], [(9, 640), (5, 131), (2, 33)]):
+        m = build_batch(rng, [250], prefill, pages_per_seq=pages_per_seq, num_pages=num_pages)
+        q = rng.standard_normal((T_PAD, heads, D), dtype=np.float32)
+        k_cache = rng.standard_normal((num_pages, PAGE_SIZE, kv_heads, D), dtype=np.float32)
+        v_cache = rng.standard_normal((num_pages, PAGE_SIZE, kv_heads, D), dtype=np.float32)
+        meta = AttentionMetadata(**{k: jnp.asarray(v) for k, v in m.items()})
+        out = np.asarray(fn(jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache), meta))
+        np.testing.assert_allclose(out, dense_reference(q, k_cache, v_cache, m, D**-0.5), atol=2e-5, rtol=2e-5)
 
 
 @st.composite

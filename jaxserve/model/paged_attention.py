@@ -33,6 +33,14 @@ ACCELERATOR_KV_BLOCK = 2048
 # host round trip per layer even when it runs no block, so accelerators keep two sizes.
 DEFAULT_Q_BLOCKS = (128, 16, 8, 4)
 ACCELERATOR_Q_BLOCKS = (128, 16)
+# On a CPU a query block of few rows reads the history it sees whole in wider KV blocks: as many keys as keep its
+# score tile at the 128-row block's size (3 x 128 rows x 256 keys for `small`), up to 2048, then a quarter of
+# that. Per block, XLA's CPU dots on a few rows cost mostly their call, and a 256-key block of 12 rows ran at ~28
+# GFLOP/s in a profile. 12 layers of 4 decodes beside a 16/8/4-row chunk after 4000 tokens: 30.0/24.5/20.8 ->
+# 26.9/20.5/18.1 ms; a 64-token chunk after 3000: 46.7 -> 37.1 ms (a throwaway A/B of the two versions in one
+# process, BUILD.md); the 128-row blocks of long prompts do not change.
+WIDE_TILE = 384 * 256
+WIDE_KV_BLOCK = 2048
 DEFAULT_DECODE_KV_BLOCK = 512
 # A decode's context past its last whole 512-token block goes in 32-token blocks: 128 read up to 96 masked tokens
 # per sequence and layer; 32 took 4-6% off decode TPOT at 1, 16 and 64 requests of `small` on CPU (a throwaway A/B
@@ -156,38 +164,60 @@ def _decode_batched(qd: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_
 
 def _prefill_block(qb: jax.Array, q_pos0: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                    page_row: jax.Array, kv_len: jax.Array, kv_end: jax.Array, scale: float,
-                   block_pages: int) -> jax.Array:
+                   block_pages: int, wide_pages: Sequence[int]) -> jax.Array:
     """Causal attention of a query block qb [Bq, kvh, g, d] at positions q_pos0 + i, over KV [0, kv_end).
 
     Matmuls run in the canonical batched layout, KV head leading and a head's g x Bq query rows merged
     ([kvh, g*Bq, d] against [kvh, t, d]): XLA's CPU dot then needs no per-block transposes of its result
-    (1.5x faster than the [Bq, kvh, g, d] einsum, measured on one block).
+    (1.5x faster than the [Bq, kvh, g, d] einsum, measured on one block). The history every query sees whole
+    goes first in blocks of each of `wide_pages` pages (largest first, as many whole blocks of each as fit), then
+    in blocks of `block_pages` up to the diagonal, unmasked; the blocks the causal mask cuts come last.
     """
     bq, kvh, g, d = qb.shape
     page_size = k_cache.shape[1]
-    block = block_pages * page_size
     qf = jnp.transpose(qb.astype(jnp.float32) * scale, (1, 2, 0, 3)).reshape(kvh, g * bq, d)
     q_pos = jnp.tile(q_pos0 + jnp.arange(bq), g)  # row r of a head is query r % Bq
     dims_qk = (((2,), (2,)), ((0,), (0,)))
     dims_pv = (((2,), (1,)), ((0,), (0,)))
 
-    def body(b: jax.Array, carry: tuple, masked: bool) -> tuple:
-        kb = jnp.swapaxes(_gather_block(k_cache, page_row, b * block_pages, block_pages), 0, 1)  # [kvh, t, d]
-        vb = jnp.swapaxes(_gather_block(v_cache, page_row, b * block_pages, block_pages), 0, 1)
+    def body(first_page: jax.Array, pages: int, carry: tuple, masked: bool) -> tuple:
+        kb = jnp.swapaxes(_gather_block(k_cache, page_row, first_page, pages), 0, 1)  # [kvh, t, d]
+        vb = jnp.swapaxes(_gather_block(v_cache, page_row, first_page, pages), 0, 1)
         s = lax.dot_general(qf, kb.astype(jnp.float32), dims_qk)  # [kvh, g*Bq, t]
         if masked:
-            t_pos = b * block + jnp.arange(block)
+            t_pos = first_page * page_size + jnp.arange(pages * page_size)
             mask = ((t_pos[None, :] <= q_pos[:, None]) & (t_pos[None, :] < kv_len))[None]
             return _online_update(carry, s, mask, lambda p: lax.dot_general(p, vb.astype(jnp.float32), dims_pv))
         return _online_update_unmasked(carry, s, lambda p: lax.dot_general(p, vb.astype(jnp.float32), dims_pv))
 
-    init = (jnp.full((kvh, g * bq), -jnp.inf, jnp.float32), jnp.zeros((kvh, g * bq), jnp.float32),
-            jnp.zeros((kvh, g * bq, d), jnp.float32))
-    n = (kv_end + block - 1) // block
-    n_full = jnp.minimum((q_pos0 + 1) // block, n)  # blocks wholly before every query: no mask needed
-    carry = lax.fori_loop(0, n_full, lambda b, c: body(b, c, False), init)
-    _, den, acc = lax.fori_loop(n_full, n, lambda b, c: body(b, c, True), carry)
+    carry = (jnp.full((kvh, g * bq), -jnp.inf, jnp.float32), jnp.zeros((kvh, g * bq), jnp.float32),
+             jnp.zeros((kvh, g * bq, d), jnp.float32))
+    seen_pages = (q_pos0 + 1) // page_size  # pages wholly before every query: no mask needed
+    done = jnp.zeros((), seen_pages.dtype)
+    for pages in wide_pages:
+        n_wide = (seen_pages - done) // pages
+        carry = lax.fori_loop(0, n_wide, lambda b, c, pages=pages, at=done: body(at + b * pages, pages, c, False),
+                              carry)
+        done = done + n_wide * pages
+    block = block_pages * page_size
+    n = (kv_end - done * page_size + block - 1) // block
+    n_full = jnp.minimum((seen_pages - done) // block_pages, n)
+    carry = lax.fori_loop(0, n_full, lambda b, c: body(done + b * block_pages, block_pages, c, False), carry)
+    _, den, acc = lax.fori_loop(n_full, n, lambda b, c: body(done + b * block_pages, block_pages, c, True), carry)
     return jnp.transpose(_finish(den, acc).reshape(kvh, g, bq, d), (2, 0, 1, 3))  # [Bq, kvh, g, d]
+
+
+def _wide_block_pages(rows: int, block_pages: int, page_size: int, max_pages: int) -> tuple[int, ...]:
+    """Pages per KV block, largest first, for the history a `rows`-row query block sees whole: as many keys as
+    keep its score tile at WIDE_TILE elements (up to WIDE_KV_BLOCK and the table's `max_pages`), then a
+    quarter of that, down to above `block_pages`. Empty when `block_pages` is already that wide."""
+    pages = min(WIDE_KV_BLOCK, WIDE_TILE // rows) // page_size
+    out = []
+    while pages > block_pages:
+        if pages <= max_pages:
+            out.append(pages)
+        pages //= 4
+    return tuple(out)
 
 
 def default_q_blocks() -> tuple[int, ...]:
@@ -251,6 +281,9 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: 
     page_table = jnp.pad(meta.page_table, ((0, 0), (0, max(block_pages, decode_block_pages))))
     qg = q.reshape(t, kvh, g, d)
     sizes = _block_sizes(default_q_blocks() if q_blocks is None else q_blocks, t)
+    # A wide block never runs past the table's own pages: it covers history every query sees whole.
+    wide_pages = {rows: _wide_block_pages(g * rows, block_pages, page_size, meta.page_table.shape[1]) if on_cpu
+                  else () for rows in sizes}
     out = jnp.zeros((t + sizes[0], kvh, g, d), jnp.float32)
 
     if decode_mode == "auto":
@@ -296,7 +329,8 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: 
                 row0 = q_start + r0
                 qb = lax.dynamic_slice_in_dim(q_pad, row0, rows, axis=0)
                 kv_end = jnp.minimum(kv_len, ctx + r0 + rows)
-                o = _prefill_block(qb, ctx + r0, k_cache, v_cache, page_row, kv_len, kv_end, scale, block_pages)
+                o = _prefill_block(qb, ctx + r0, k_cache, v_cache, page_row, kv_len, kv_end, scale, block_pages,
+                                  wide_pages[rows])
                 old = lax.dynamic_slice_in_dim(out, row0, rows, axis=0)
                 keep = (row0 + jnp.arange(rows) < q_end)[:, None, None, None]
                 return lax.dynamic_update_slice_in_dim(out, jnp.where(keep, o, old), row0, axis=0)
