@@ -33,13 +33,14 @@ ACCELERATOR_KV_BLOCK = 2048
 # host round trip per layer even when it runs no block, so accelerators keep two sizes.
 DEFAULT_Q_BLOCKS = (128, 16, 8, 4)
 ACCELERATOR_Q_BLOCKS = (128, 16)
-# On a CPU a query block of few rows reads the history it sees whole in wider KV blocks: as many keys as keep its
-# score tile at the 128-row block's size (3 x 128 rows x 256 keys for `small`), up to 2048, then a quarter of
-# that. Per block, XLA's CPU dots on a few rows cost mostly their call, and a 256-key block of 12 rows ran at ~28
-# GFLOP/s in a profile. 12 layers of 4 decodes beside a 16/8/4-row chunk after 4000 tokens: 30.0/24.5/20.8 ->
-# 26.9/20.5/18.1 ms; a 64-token chunk after 3000: 46.7 -> 37.1 ms (a throwaway A/B of the two versions in one
-# process, BUILD.md); the 128-row blocks of long prompts do not change.
-WIDE_TILE = 384 * 256
+# On a CPU a query block reads the history it sees whole in wider KV blocks: as many keys as keep its score tile at
+# 3 x 128 rows x 1024 keys (`small`'s 128-row block with its 3 query heads a KV head), up to 2048, then a quarter
+# of that. Per block, XLA's CPU dots on a few rows cost mostly their call, and a 256-key block of 12 rows ran at
+# ~28 GFLOP/s in a profile. 12 layers of 4 decodes beside a 16/8/4-row chunk after 4000 tokens: 30.0/24.5/20.8 ->
+# 26.9/20.5/18.1 ms; a 64-token chunk after 3000: 46.7 -> 37.1 ms. With the tile widened from 256 to 1024 keys
+# for a 128-row block: a 4096-token prompt 1414 -> 1187 ms, 288 tokens after 1200 0.89x, 512 after 2048 0.84x;
+# a tile of 2048 keys was slower (throwaway A/Bs of two versions in one process, BUILD.md).
+WIDE_TILE = 384 * 1024
 WIDE_KV_BLOCK = 2048
 DEFAULT_DECODE_KV_BLOCK = 512
 # A decode's context past its last whole 512-token block goes in 32-token blocks: 128 read up to 96 masked tokens
