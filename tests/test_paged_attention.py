@@ -129,7 +129,8 @@ def test_block_sizes_do_not_change_result():
 
 def test_small_query_blocks_read_a_long_history_in_wider_kv_blocks():
     # `small`'s shapes: a 4-row chunk (12 query rows a KV head) reads 2048-key blocks, then 512-key ones; a
-    # 128-row block (384 rows) reads 1024-key ones; a table narrower than a block never gets it.
+    # 128-row block (384 rows) reads 1024-key ones; a block whose tile is already WIDE_TILE at 256 keys, or a
+    # table narrower than a wide block, gets none.
     assert _wide_block_pages(12, block_pages=16, page_size=16, max_pages=512) == (128, 32)
     assert _wide_block_pages(48, block_pages=16, page_size=16, max_pages=512) == (128, 32)
     assert _wide_block_pages(384, block_pages=16, page_size=16, max_pages=512) == (64,)
