@@ -103,13 +103,15 @@ class ModelRunner:
     """Owns the parameters, the device KV pool and the compiled step functions."""
 
     def __init__(self, model: nnx.Module, kv_caches, *, page_size: int, max_model_len: int, max_num_seqs: int,
-                 token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...]) -> None:
+                 token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...],
+                 cpu_attention_kernel: bool = True) -> None:
         self.graphdef, self.params = nnx.split(model)
         # The jitted calls take the parameters as a flat list: flattening the nnx State on every call cost
         # ~0.3 ms per call in Python (two calls a step); a list of arrays flattens in C++.
         self.param_leaves, self._param_tree = jax.tree.flatten(self.params)
         self.kv_caches = kv_caches
         self.page_size = page_size
+        self.cpu_attention_kernel = cpu_attention_kernel  # see `paged_attention`; single-device meshes only
         self.max_num_seqs = max_num_seqs
         self.pages_per_seq = math.ceil(max_model_len / page_size)
         self.token_buckets = token_buckets
@@ -160,7 +162,8 @@ class ModelRunner:
         token_ids = jnp.where(token_ids < 0, prev_tokens[jnp.clip(-token_ids - 1, 0, prev_tokens.shape[0] - 1)],
                               token_ids)
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._param_tree, param_leaves))
-        hidden, kv_caches = model(token_ids, positions, kv_caches, meta)
+        hidden, kv_caches = model(token_ids, positions, kv_caches, meta,
+                                  cpu_kernel=self.cpu_attention_kernel and (self.mesh is None or self.mesh.size == 1))
         return hidden[logits_indices], kv_caches
 
     def _sample_impl(self, param_leaves, hidden_rows, temperature, top_k, top_p, min_p, seed, step, want_logprobs):

@@ -2,6 +2,8 @@
 
     python scripts/bench_attention.py                       # the standard cases
     python scripts/bench_attention.py --kv-block 512 --q-blocks 64,16 --repeat 20
+    python scripts/bench_attention.py --no-kernel             # without the C++ CPU kernel
+    python scripts/bench_attention.py --decodes "" --prefills 4:4096,32:2048 --with-decodes 4 --context 300
 
 Decode: S sequences, each one query token at `--context` tokens of context. Prefill: one chunk of Q tokens
 after C tokens of prior context. The page table is padded to ceil(max_model_len / page_size) columns as the
@@ -23,6 +25,7 @@ from jaxserve.model.metadata import AttentionMetadata
 from jaxserve.model.paged_attention import (
     DEFAULT_DECODE_KV_BLOCK,
     DEFAULT_DECODE_TAIL_BLOCK,
+    KERNEL_MAX_ROWS,
     default_q_blocks,
     paged_attention,
 )
@@ -77,6 +80,12 @@ def main() -> None:
     ap.add_argument("--decode-kv-block", type=int, default=DEFAULT_DECODE_KV_BLOCK)
     ap.add_argument("--decode-tail-block", type=int, default=DEFAULT_DECODE_TAIL_BLOCK)
     ap.add_argument("--decode-mode", default="auto", choices=["auto", "loop", "batched"])
+    ap.add_argument("--no-kernel", action="store_true",
+                    help="keep decodes and short chunks in jnp rather than the C++ CPU kernel (for A/Bs)")
+    ap.add_argument("--kernel-max-rows", type=int, default=KERNEL_MAX_ROWS,
+                    help="longest chunk the CPU kernel takes (longer ones: jnp)")
+    ap.add_argument("--with-decodes", type=int, default=0,
+                    help="run each prefill chunk beside this many decodes at --context (a mixed step)")
     ap.add_argument("--decodes", default="1,16,32,64")
     ap.add_argument("--prefills", default="256:0,512:0,256:2048,512:2048", help="chunk:prior_context list")
     ap.add_argument("--repeat", type=int, default=10)
@@ -89,12 +98,14 @@ def main() -> None:
     fn = jax.jit(functools.partial(paged_attention, scale=d**-0.5, kv_block=args.kv_block,
                                    q_blocks=q_blocks,
                                    decode_kv_block=args.decode_kv_block, decode_mode=args.decode_mode,
-                                   decode_tail_block=args.decode_tail_block))
+                                   decode_tail_block=args.decode_tail_block, cpu_kernel=not args.no_kernel,
+                                   kernel_max_rows=args.kernel_max_rows))
     kv_token_bytes = 2 * kvh * d * 4
     print(f"# {args.model}: {h} heads, {kvh} kv heads, head_dim {d}, page {args.page_size}, "
           f"kv_block {args.kv_block or 'auto'}, q_blocks {args.q_blocks}, "
           f"decode_kv_block {args.decode_kv_block} (tail {args.decode_tail_block}) "
           f"({args.decode_mode}), "
+          f"{'jnp only' if args.no_kernel else f'CPU kernel up to {args.kernel_max_rows} rows'}, "
           f"backend {jax.default_backend()}")
     print(f"{'case':<28}{'ms/layer':>10}{'floor ms':>10}{'x floor':>9}")
     for s in [int(x) for x in args.decodes.split(",") if x]:
@@ -104,11 +115,14 @@ def main() -> None:
         print(f"{f'decode {s} x {args.context}':<28}{t * 1e3:>10.3f}{floor * 1e3:>10.3f}{t / floor:>9.1f}")
     for item in [x for x in args.prefills.split(",") if x]:
         q, c = (int(x) for x in item.split(":"))
-        case = make_case(spec, [(q, q + c)], 0, args.page_size, args.max_model_len)
+        n = args.with_decodes
+        case = make_case(spec, [(1, args.context)] * n + [(q, q + c)], n, args.page_size, args.max_model_len)
         t = best_time(fn, case, args.repeat)
         pairs = q * c + q * (q + 1) / 2
-        floor = max(4 * h * d * pairs / args.flops, (q + c) * kv_token_bytes / args.bandwidth)
-        print(f"{f'prefill {q} @ {c}':<28}{t * 1e3:>10.3f}{floor * 1e3:>10.3f}{t / floor:>9.1f}")
+        floor = max(4 * h * d * (pairs + n * args.context) / args.flops,
+                    (q + c + n * args.context) * kv_token_bytes / args.bandwidth)
+        label = f"prefill {q} @ {c}" + (f" + {n} decodes" if n else "")
+        print(f"{label:<28}{t * 1e3:>10.3f}{floor * 1e3:>10.3f}{t / floor:>9.1f}")
 
 
 if __name__ == "__main__":

@@ -11,9 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from jaxserve.model import cpu_attention
 from jaxserve.model.metadata import AttentionMetadata
 from jaxserve.model.paged_attention import (
     DEFAULT_Q_BLOCKS,
+    KERNEL_MAX_ROWS,
     _block_sizes,
     _cover,
     _wide_block_pages,
@@ -79,11 +81,14 @@ def dense_reference(q, k_cache, v_cache, m, scale):
 
 @functools.cache
 def attention_fn(kv_block: int, q_block: int, decode_mode: str):
+    """decode_mode "loop" or "batched": the jnp paths; "kernel": decodes and chunks of up to KERNEL_MAX_ROWS rows
+    in the C++ CPU kernel, longer chunks in jnp."""
     # Blocks of q_block rows, then half and quarter blocks: every chunk length takes a different mix of sizes.
+    kernel = decode_mode == "kernel"
     return jax.jit(functools.partial(paged_attention, scale=D**-0.5, kv_block=kv_block,
                                      q_blocks=(q_block, max(1, q_block // 2), max(1, q_block // 4)),
                                      decode_kv_block=2 * kv_block, decode_tail_block=PAGE_SIZE,
-                                     decode_mode=decode_mode))
+                                     decode_mode="auto" if kernel else decode_mode, cpu_kernel=kernel))
 
 
 def check(rng, heads, kv_heads, decode_ctx, prefill, kv_block=8, q_block=8, decode_mode="loop"):
@@ -101,9 +106,16 @@ def check(rng, heads, kv_heads, decode_ctx, prefill, kv_block=8, q_block=8, deco
 
 
 HEADS = [(4, 2), (4, 1), (2, 2)]  # GQA, MQA, MHA
+MODES = ["loop", "batched", "kernel"]
 
 
-@pytest.mark.parametrize("decode_mode", ["loop", "batched"])
+def test_the_cpu_kernel_builds_here():
+    """The machines CI and users run on have a C++ compiler: the kernel must build, or the tests below would
+    silently test the jnp path twice."""
+    assert cpu_attention.available()
+
+
+@pytest.mark.parametrize("decode_mode", MODES)
 @pytest.mark.parametrize(("heads", "kv_heads"), HEADS)
 def test_mixed_batch(heads, kv_heads, decode_mode):
     rng = np.random.default_rng(heads * 10 + kv_heads)
@@ -111,6 +123,9 @@ def test_mixed_batch(heads, kv_heads, decode_mode):
     # and a one-token prefill chunk.
     check(rng, heads, kv_heads, [4, 17], [(11, 0), (9, 13), (1, 6)], decode_mode=decode_mode)
     check(rng, heads, kv_heads, [1, 2, 3, 40, 47, 9, 5, 33], [], decode_mode=decode_mode)
+    # A chunk longer than KERNEL_MAX_ROWS: in "kernel" mode it takes the jnp loops beside the kernel's rows.
+    assert KERNEL_MAX_ROWS < 40
+    check(rng, heads, kv_heads, [7], [(40, 3), (2, 9)], decode_mode=decode_mode)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), HEADS)
@@ -138,13 +153,14 @@ def test_small_query_blocks_read_a_long_history_in_wider_kv_blocks():
     assert _wide_block_pages(12, block_pages=16, page_size=16, max_pages=100) == (32,)
 
 
+@pytest.mark.parametrize("decode_mode", ["loop", "kernel"])
 @pytest.mark.parametrize(("heads", "kv_heads"), HEADS[:2])
-def test_small_chunks_over_a_long_history_match_the_reference(heads, kv_heads):
+def test_small_chunks_over_a_long_history_match_the_reference(heads, kv_heads, decode_mode):
     """Chunks of 1-9 rows after ~600 tokens: every ladder of wide KV blocks, the default blocks after them and
     the masked diagonal block all run (page size 4: 128-, 32- and 8-page blocks before 2-page ones)."""
     rng = np.random.default_rng(11)
     pages_per_seq, num_pages = 200, 700
-    fn = attention_fn(8, 8, "loop")
+    fn = attention_fn(8, 8, decode_mode)
     for prefill in ([(1, 600), (3, 517)], [(9, 640), (5, 131), (2, 33)]):
         m = build_batch(rng, [250], prefill, pages_per_seq=pages_per_seq, num_pages=num_pages)
         q = rng.standard_normal((T_PAD, heads, D), dtype=np.float32)
@@ -171,7 +187,7 @@ def ragged(draw):
     return decode_ctx, prefill
 
 
-@pytest.mark.parametrize("decode_mode", ["loop", "batched"])
+@pytest.mark.parametrize("decode_mode", MODES)
 @pytest.mark.parametrize(("heads", "kv_heads"), HEADS[:2])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(batch=ragged(), seed=st.integers(0, 2**16))
@@ -184,7 +200,7 @@ def test_property_random_ragged(heads, kv_heads, decode_mode, batch, seed):
     check(np.random.default_rng(seed), heads, kv_heads, decode_ctx, prefill, decode_mode=decode_mode)
 
 
-@pytest.mark.parametrize("decode_mode", ["loop", "batched"])
+@pytest.mark.parametrize("decode_mode", MODES)
 @pytest.mark.parametrize(("heads", "kv_heads"), HEADS)
 def test_one_token_step(heads, kv_heads, decode_mode):
     """A one-token step (the batch-1 decode bucket) takes its own path: a decode, a first prompt token, padding."""
@@ -224,7 +240,7 @@ def test_write_kv_scatters_into_slots():
     assert float(jnp.abs(kc).sum()) == pytest.approx(float(np.abs(k).sum()), rel=1e-6)
 
 
-@pytest.mark.parametrize("decode_mode", ["loop", "batched"])
+@pytest.mark.parametrize("decode_mode", ["loop", "batched", "auto"])  # auto: the CPU kernel reads the pool
 def test_donated_pool_is_updated_in_place(decode_mode):
     """write_kv then paged_attention under a donating jit must not copy the pool (a silent 3x slowdown)."""
 

@@ -105,7 +105,7 @@ class Attention(nnx.Module):
         self.scale = d**-0.5
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv: tuple[jax.Array, jax.Array],
-                 meta: AttentionMetadata) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                 meta: AttentionMetadata, cpu_kernel: bool = True) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         t = x.shape[0]
         w = self.qkv[...]
         qkv = linear(x, w.reshape(w.shape[0], -1)).reshape(t, self.num_kv_heads, self.group + 2, self.head_dim)
@@ -115,7 +115,7 @@ class Attention(nnx.Module):
         k, v = qkv[:, :, self.group], qkv[:, :, self.group + 1]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        o = paged_attention(q, k_cache, v_cache, meta, self.scale, cpu_kernel=cpu_kernel)
         return linear(o.reshape(t, -1), self.o[...]), (k_cache, v_cache)
 
 
@@ -146,8 +146,8 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(spec, dtype, rngs)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv: tuple[jax.Array, jax.Array],
-                 meta: AttentionMetadata) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        a, kv = self.attn(self.input_norm(x), cos, sin, kv, meta)
+                 meta: AttentionMetadata, cpu_kernel: bool = True) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        a, kv = self.attn(self.input_norm(x), cos, sin, kv, meta, cpu_kernel)
         x = x + a
         return x + self.mlp(self.post_attn_norm(x)), kv
 
@@ -178,13 +178,17 @@ class LlamaForCausalLM(nnx.Module):
         self.inv_freq = tuple(float(f) for f in inv_freq)
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_caches: KVCaches,
-                 meta: AttentionMetadata) -> tuple[jax.Array, KVCaches]:
-        """Run T tokens; returns the final-normed hidden states [T, hidden] and the updated caches."""
+                 meta: AttentionMetadata, *, cpu_kernel: bool = True) -> tuple[jax.Array, KVCaches]:
+        """Run T tokens; returns the final-normed hidden states [T, hidden] and the updated caches.
+
+        `cpu_kernel=False` keeps attention in jnp even where the CPU kernel could run (a mesh of several devices:
+        XLA cannot split a custom call over them).
+        """
         x = jnp.take(self.embed[...], token_ids, axis=0)
         cos, sin = rope_cos_sin(positions, self.inv_freq)
         new_caches = []
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x, kv = layer(x, cos, sin, kv, meta)
+            x, kv = layer(x, cos, sin, kv, meta, cpu_kernel)
             new_caches.append(kv)
         return self.norm(x), new_caches
 
