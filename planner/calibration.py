@@ -3,24 +3,27 @@
 The additive step model is linear in the inverse efficiencies and the overheads:
 
     t = compute0 / compute_eff + (attn0 + attn_m_half * pass0) / (compute_eff * attn_eff_scale)
+        + small0 / (compute_eff * attn_small_eff_scale)
         + weights0 / weight_bw_eff + gemv0 / (weight_bw_eff * gemv_speedup)
         + kv0 / kv_bw_eff + comm_bw0 / comm_eff + comm_latency
         + step_overhead + S * seq_overhead + prefill_tokens * prefill_token_overhead
 
 where `compute0` (GEMMs), `attn0` (attention FLOPs), `pass0` (one query row over each prefill chunk's KV),
-`weights0` (matmuls of two rows or more), `gemv0` (one-row matmuls), `kv0`, `comm_bw0` are the model's terms at
-efficiency 1 (`unit_terms`). Attention has its own
-efficiency: on a CPU the jnp paged attention runs far below the GEMMs, and sharing one efficiency made the fit
-trade long-context (chunked) steps against short prefills, over-predicting the latter by ~20%. Its per-pass
-term prices what a small chunk over a long history costs beyond its FLOPs (a 16-row chunk over 4k keys ran
-at about half the FLOP rate of a 128-row one on CPU; on a GPU each KV block is a few kernel launches). A
-non-negative least-squares fit on relative error (each row divided by its measured time) gives them; the
-GEMM half-efficiency size `gemm_m_half` is chosen from a grid. Terms the samples cannot separate keep the
-prior. The per-layer overhead folds into the per-step one (one model has one layer count), and
-`gemm_m_half` trades off against the per-step overhead (a GEMM's time is linear in M with an intercept), so
-the pair is fitted for its predictions, not as two separately meaningful numbers. So is `gemv_speedup` when it
-is not held: its column holds one-decode steps only, so it also takes whatever else such a step costs apart
-(a one-token step has its own attention and KV-write paths); the other steps pin the per-step overhead.
+`small0` (the attention FLOPs of chunks of at most SMALL_CHUNK_ROWS rows, which jaxserve's CPU kernel attends,
+each key read once for all of a chunk's rows, at a rate of its own; their passes stay in `pass0`, where the many
+small chunks a calibration measures pin `attn_m_half` for all), `weights0` (matmuls of two rows or more),
+`gemv0` (one-row matmuls), `kv0`, `comm_bw0` are the model's terms at efficiency 1 (`unit_terms`). Attention has
+its own efficiency: on a CPU the jnp paged attention runs far below the GEMMs, and sharing one efficiency made
+the fit trade long-context (chunked) steps against short prefills, over-predicting the latter by ~20%. Its
+per-pass term prices what a small chunk over a long history costs beyond its FLOPs (a 16-row chunk over 4k keys
+ran at about half the FLOP rate of a 128-row one on CPU; on a GPU each KV block is a few kernel launches). A
+non-negative least-squares fit on relative error (each row divided by its measured time) gives them; the GEMM
+half-efficiency size `gemm_m_half` is chosen from a grid. Terms the samples cannot separate keep the prior. The
+per-layer overhead folds into the per-step one (one model has one layer count), and `gemm_m_half` trades off
+against the per-step overhead (a GEMM's time is linear in M with an intercept), so the pair is fitted for its
+predictions, not as two separately meaningful numbers. So is `gemv_speedup` when it is not held: its column
+holds one-decode steps only, so it also takes whatever else such a step costs apart (a one-token step has its
+own attention and KV-write paths); the other steps pin the per-step overhead.
 """
 
 from __future__ import annotations
@@ -34,12 +37,24 @@ import numpy as np
 
 from planner.hardware import Coefficients, Hardware
 from planner.model_spec import ModelSpec
-from planner.step_model import ATTENTION_PASS, StepShape, _collective_s, op_costs, step_time_shape
+from planner.step_model import (
+    ATTENTION_PASS,
+    ATTENTION_SMALL,
+    StepShape,
+    _collective_s,
+    op_costs,
+    step_time_shape,
+)
 
 M_HALF_GRID = (0.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
-_COLUMNS = ("compute", "attn", "attn_pass", "weights", "gemv", "kv", "comm_bw", "step", "seq", "prefill_token")
-_EFF_COLUMNS = ("compute", "attn", "weights", "kv", "comm_bw")
-GEMV_SPEEDUP_RANGE = (0.5, 3.0)  # what a fitted one-row rate may be, relative to the multi-row one
+_COLUMNS = ("compute", "attn", "attn_pass", "attn_small", "weights", "gemv", "kv", "comm_bw", "step", "seq",
+            "prefill_token")
+_EFF_COLUMNS = ("compute", "attn", "attn_small", "weights", "kv", "comm_bw")
+_ATTENTION_COLUMNS = {"attention": "attn", ATTENTION_PASS: "attn_pass", ATTENTION_SMALL: "attn_small"}
+GEMV_SPEEDUP_RANGE = (0.5, 3.0)
+# Steps with small chunks (SMALL_CHUNK_ROWS) needed before their pairs get their own efficiency: with one or two,
+# the free column would absorb those steps whole and loosen the GEMM terms they also pin.
+MIN_SMALL_CHUNK_SAMPLES = 4  # what a fitted one-row rate may be, relative to the multi-row one
 
 
 @dataclass(frozen=True)
@@ -62,7 +77,7 @@ def unit_terms(spec: ModelSpec, hw: Hardware, shape: StepShape, *, tp: int = 1, 
         n = op.count
         if op.flops:
             g = op.gemm_rows / (op.gemm_rows + gemm_m_half) if op.gemm_rows else 1.0
-            col = {"attention": "attn", ATTENTION_PASS: "attn_pass"}.get(op.name, "compute")
+            col = _ATTENTION_COLUMNS.get(op.name, "compute")
             out[col] += op.flops * n / (peak * g)
         out["gemv" if op.gemm_rows == 1 else "weights"] += (op.weight_bytes + op.act_bytes) * n / hw.memory_bw
         out["kv"] += op.kv_bytes * n / hw.memory_bw
@@ -123,6 +138,10 @@ def fit_coefficients(spec: ModelSpec, hw: Hardware, samples: Sequence[Sample], *
                 for s in samples]
         a = np.array([[r[c] for c in _COLUMNS] for r in rows])
         lat = np.array([r["comm_latency"] for r in rows])
+        js = _COLUMNS.index("attn_small")
+        if np.count_nonzero(a[:, js]) < MIN_SMALL_CHUNK_SAMPLES:  # too few to price apart: as other chunks
+            a[:, _COLUMNS.index("attn")] += a[:, js]
+            a[:, js] = 0.0
         if held_gemv is not None:  # one-row weights are the multi-row ones', read held_gemv times faster
             a[:, jw] += a[:, jg] / held_gemv
             a[:, jg] = 0.0
@@ -149,13 +168,14 @@ def fit_coefficients(spec: ModelSpec, hw: Hardware, samples: Sequence[Sample], *
         attn_eff = inv("attn", compute_eff * prior.attn_eff_scale)
         # A pass costs attn_m_half query rows at attention's rate: the ratio of the two fitted inverse rates.
         attn_m_half = c["attn_pass"] * attn_eff if "attn_pass" in present and "attn" in present else prior.attn_m_half
+        small_scale = inv("attn_small", 0.0) / compute_eff if "attn_small" in present else prior.attn_small_eff_scale
         weight_bw_eff = fixed.get("weight_bw_eff", inv("weights", prior.weight_bw_eff))
         gemv_speedup = held_gemv if held_gemv is not None else prior.gemv_speedup
         if held_gemv is None and "gemv" in present:
             gemv_speedup = float(np.clip(1.0 / (c["gemv"] * weight_bw_eff), *GEMV_SPEEDUP_RANGE))
         fitted = dataclasses.replace(
             prior, compute_eff=compute_eff, gemm_m_half=m_half, attn_eff_scale=attn_eff / compute_eff,
-            attn_m_half=attn_m_half,
+            attn_m_half=attn_m_half, attn_small_eff_scale=small_scale,
             weight_bw_eff=weight_bw_eff, kv_bw_eff=inv("kv", prior.kv_bw_eff),
             comm_eff=inv("comm_bw", prior.comm_eff), step_overhead_s=c["step"], layer_overhead_s=0.0,
             seq_overhead_s=c["seq"], prefill_token_overhead_s=c["prefill_token"], gemv_speedup=gemv_speedup)

@@ -41,6 +41,9 @@ class Coefficients:
     prefill_token_overhead_s: float = 0.0  # per prefill token (host-side work that scales with tokens)
     attn_eff_scale: float = 1.0  # attention FLOP efficiency relative to compute_eff (1: the GEMMs')
     attn_m_half: float = 0.0  # query rows one prefill chunk's pass over its KV costs beyond its own rows
+    # Chunks of at most SMALL_CHUNK_ROWS rows (planner/step_model.py): their pairs' attention efficiency relative
+    # to compute_eff; 0: priced like every other chunk's (attn_eff_scale).
+    attn_small_eff_scale: float = 0.0
     gemv_speedup: float = 1.0  # weight-read rate of a one-row matmul (GEMV) over a multi-row one's
 
     def to_dict(self) -> dict[str, float]:
@@ -62,6 +65,8 @@ COEFFICIENT_DOCS: dict[str, str] = {
     "attn_m_half": "extra query rows each prefill chunk's pass over its KV costs (per-block loads and loop "
                    "overhead): a chunk of c rows over kv keys costs (c + attn_m_half) x kv pairs; small chunks "
                    "over long histories are far below the FLOP rate",
+    "attn_small_eff_scale": "attention FLOP efficiency, as a fraction of compute_eff, of prefill chunks of at most "
+                            "32 rows (jaxserve's CPU kernel takes them); 0: priced as every other chunk",
     "gemv_speedup": "weight-read rate of a one-row matmul over that of a few-row one (weight_bw_eff's): a CPU "
                     "runs one row through a GEMV kernel that streams ~1.3x faster than its 2-16-row GEMMs; calibrate "
                     "fits it from one-decode steps; 1 on GPUs unless calibrated",

@@ -26,6 +26,12 @@ from planner.model_spec import ModelSpec
 # The per-pass part of prefill attention: FLOPs of one query row over each chunk's KV, which `time_ops` scales
 # by the `attn_m_half` coefficient (0 for every catalog device; `jaxserve calibrate` fits it).
 ATTENTION_PASS = "attention_pass"
+# The query-key pairs of prefill chunks of at most this many rows are priced apart (`attention_small`), at their
+# own fitted efficiency where a profile has one (`attn_small_eff_scale` > 0): jaxserve's CPU attention kernel
+# takes exactly these chunks (`jaxserve.model.paged_attention.KERNEL_MAX_ROWS` is this constant), reading each key
+# once for all of a chunk's rows, while longer chunks run XLA's dots. Their passes stay with everyone's.
+SMALL_CHUNK_ROWS = 32
+ATTENTION_SMALL = "attention_small"
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,7 @@ class StepShape:
     kv_read_tokens: float = 0.0  # KV entries read by attention (context incl. the new tokens)
     decode_context: float = 0.0  # sum of decode context lengths (for reporting)
     prefill_kv: float = 0.0  # KV length each prefill chunk's query rows read, summed over chunks
+    small_pairs: float = 0.0  # the part of attn_pairs from chunks of at most SMALL_CHUNK_ROWS rows
 
     @property
     def num_tokens(self) -> int:
@@ -53,7 +60,7 @@ class StepShape:
 
     def _t(self) -> tuple[float, ...]:
         return (self.num_decode, self.num_prefill, self.prefill_tokens, self.attn_pairs, self.kv_read_tokens,
-                self.decode_context, self.prefill_kv)
+                self.decode_context, self.prefill_kv, self.small_pairs)
 
 
 def decode_shape(batch: int, context_len: float) -> StepShape:
@@ -66,9 +73,9 @@ def prefill_shape(chunk_len: int, computed: float = 0) -> StepShape:
     """One prefill chunk of `chunk_len` tokens after `computed` tokens already in the KV cache."""
     if chunk_len <= 0:
         return StepShape()
-    return StepShape(num_prefill=1, prefill_tokens=chunk_len,
-                     attn_pairs=chunk_len * (computed + (chunk_len + 1) / 2), kv_read_tokens=computed + chunk_len,
-                     prefill_kv=computed + chunk_len)
+    pairs, kv = chunk_len * (computed + (chunk_len + 1) / 2), computed + chunk_len
+    return StepShape(num_prefill=1, prefill_tokens=chunk_len, attn_pairs=pairs, kv_read_tokens=kv, prefill_kv=kv,
+                     small_pairs=pairs if chunk_len <= SMALL_CHUNK_ROWS else 0.0)
 
 
 def batch_shape(decode_context_lens: Iterable[int] = (), prefill_chunks: Iterable[tuple[int, int]] = ()) -> StepShape:
@@ -109,6 +116,15 @@ def _act_bytes(dtype: str) -> float:
     return 4.0 if dtype in ("fp32", "float32") else 2.0
 
 
+def _attention_ops(shape: StepShape, flops_per_pair: float, kv_bytes: float, act_bytes: float,
+                   layers: int) -> list[OpCost]:
+    """Attention of decodes and long chunks, of small chunks (SMALL_CHUNK_ROWS), and every chunk's per-pass part."""
+    return [OpCost("attention", flops=flops_per_pair * (shape.attn_pairs - shape.small_pairs), kv_bytes=kv_bytes,
+                   act_bytes=act_bytes, count=layers),
+            OpCost(ATTENTION_SMALL, flops=flops_per_pair * shape.small_pairs, count=layers),
+            OpCost(ATTENTION_PASS, flops=flops_per_pair * shape.prefill_kv, count=layers)]
+
+
 def op_costs(spec: ModelSpec, shape: StepShape, *, tp: int = 1, dtype: str = "bf16",
              kv_dtype: str | None = None, padded_tokens: int = 0) -> list[OpCost]:
     """Per-operation FLOPs and bytes of one step on one device (see module docstring).
@@ -140,10 +156,8 @@ def op_costs(spec: ModelSpec, shape: StepShape, *, tp: int = 1, dtype: str = "bf
         ops.append(OpCost("kv_up_absorb", flops=2 * T * up, weight_bytes=up * bw,
                           act_bytes=T * nh * (qhd + kvr + vd) * ba, count=L, gemm_rows=T))
         kv_tok = (kvr + rope) * bkv  # latent + rope key, whole on every rank
-        ops.append(OpCost("attention", flops=nh * (2 * (kvr + rope) + 2 * kvr) * shape.attn_pairs,
-                          kv_bytes=(shape.kv_read_tokens + T) * kv_tok, act_bytes=T * nh * (kvr + rope + kvr) * ba,
-                          count=L))
-        ops.append(OpCost(ATTENTION_PASS, flops=nh * (2 * (kvr + rope) + 2 * kvr) * shape.prefill_kv, count=L))
+        ops += _attention_ops(shape, nh * (2 * (kvr + rope) + 2 * kvr), (shape.kv_read_tokens + T) * kv_tok,
+                              T * nh * (kvr + rope + kvr) * ba, L)
         o_w = nh * vd * h
     else:
         hd, nkv = spec.head_dim, kv_heads_per_device(spec, tp)
@@ -151,9 +165,7 @@ def op_costs(spec: ModelSpec, shape: StepShape, *, tp: int = 1, dtype: str = "bf
         ops.append(OpCost("qkv_proj", flops=2 * T * h * (nh + 2 * nkv) * hd, weight_bytes=qkv_w * bw,
                           act_bytes=T * (h + (nh + 2 * nkv) * hd) * ba, count=L, gemm_rows=T))
         kv_tok = 2 * nkv * hd * bkv
-        ops.append(OpCost("attention", flops=4 * nh * hd * shape.attn_pairs,
-                          kv_bytes=(shape.kv_read_tokens + T) * kv_tok, act_bytes=T * 2 * nh * hd * ba, count=L))
-        ops.append(OpCost(ATTENTION_PASS, flops=4 * nh * hd * shape.prefill_kv, count=L))
+        ops += _attention_ops(shape, 4 * nh * hd, (shape.kv_read_tokens + T) * kv_tok, T * 2 * nh * hd * ba, L)
         o_w = nh * hd * h
     ops.append(OpCost("o_proj", flops=2 * T * o_w, weight_bytes=o_w * bw, act_bytes=T * (o_w / h + h) * ba,
                       count=L, gemm_rows=T))
@@ -239,6 +251,9 @@ def time_ops(ops: Sequence[OpCost], spec: ModelSpec, shape: StepShape, hw: Hardw
     peak = hw.peak(dtype)
     compute = weight = kv = comm = ideal_comm = 0.0
     flops = nbytes = 0.0
+    # Small chunks' pairs at their own efficiency where the profile has one, else as all others.
+    attn_scale = {"attention": c.attn_eff_scale,
+                  ATTENTION_SMALL: c.attn_small_eff_scale if c.attn_small_eff_scale > 0 else c.attn_eff_scale}
     for op in ops:
         n = op.count
         if op.name == ATTENTION_PASS:  # overhead priced as attn_m_half extra query rows, not real FLOPs
@@ -248,8 +263,7 @@ def time_ops(ops: Sequence[OpCost], spec: ModelSpec, shape: StepShape, hw: Hardw
         nbytes += (op.weight_bytes + op.kv_bytes + op.act_bytes) * n
         if op.flops:
             eff = c.compute_eff * (op.gemm_rows / (op.gemm_rows + c.gemm_m_half) if op.gemm_rows else 1.0)
-            if op.name == "attention":
-                eff *= c.attn_eff_scale
+            eff *= attn_scale.get(op.name, 1.0)
             compute += op.flops * n / (peak * eff)
         w_eff = c.weight_bw_eff * (c.gemv_speedup if op.gemm_rows == 1 else 1.0)
         weight += (op.weight_bytes + op.act_bytes) * n / (hw.memory_bw * w_eff)

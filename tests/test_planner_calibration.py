@@ -81,6 +81,8 @@ def test_fit_prices_a_small_chunk_over_a_long_history():
     fitted, err = fit_coefficients(SMALL, cpu, samples, dtype="fp32", fixed={"weight_bw_eff": 0.9})
     assert err < 0.01
     assert fitted.attn_m_half == pytest.approx(40.0, rel=0.1)
+    # 16-row chunks are small (SMALL_CHUNK_ROWS): their pairs get their own efficiency, which finds the truth's.
+    assert fitted.attn_small_eff_scale == pytest.approx(0.3, rel=0.1)
     hw = dataclasses.replace(cpu, coefficients=fitted)
     late = decode_shape(4, 300) + prefill_shape(16, 4080)
     assert step_time_shape(SMALL, hw, late, dtype="fp32").total_s == pytest.approx(
@@ -131,3 +133,42 @@ def test_a_fitted_one_row_rate_stays_in_its_range():
             samples.append(Sample(s, t * scale if s.num_decode == 1 and s.prefill_tokens == 0 else t))
         fitted, _ = fit_coefficients(SMALL, cpu, samples, dtype="fp32", fixed={"weight_bw_eff": 0.7})
         assert fitted.gemv_speedup == pytest.approx(bound)
+
+
+def test_small_chunks_are_priced_like_the_others_until_a_profile_prices_them_apart():
+    legacy = Coefficients(attn_eff_scale=0.3, attn_m_half=40.0)
+    explicit = dataclasses.replace(legacy, attn_small_eff_scale=0.3)
+    kernel = dataclasses.replace(legacy, attn_small_eff_scale=0.1)
+    cpu = CATALOG["cpu"]
+
+    def step_s(coefficients, shape):
+        return step_time_shape(SMALL, dataclasses.replace(cpu, coefficients=coefficients), shape,
+                               dtype="fp32").total_s
+
+    small, large = prefill_shape(16, 4000), prefill_shape(128, 4000)
+    assert step_s(legacy, small) == pytest.approx(step_s(explicit, small), rel=1e-12)
+    assert step_s(kernel, large) == pytest.approx(step_s(legacy, large), rel=1e-12)  # only small chunks move
+    assert step_s(kernel, small) != pytest.approx(step_s(legacy, small), rel=0.05)
+
+
+def test_fit_learns_a_kernel_for_small_chunks_apart_from_the_long_ones():
+    """jaxserve's CPU kernel attends chunks of up to SMALL_CHUNK_ROWS rows at a rate of its own, slower per pair
+    than the dots of longer chunks: the fit tells the two apart, so a 4-row chunk over a 4k history is predicted
+    from 4- and 16-row chunks over shorter ones, and long prefills keep their own pricing."""
+    truth = Coefficients(compute_eff=0.6, gemm_m_half=8.0, weight_bw_eff=0.9, kv_bw_eff=0.2,
+                         step_overhead_s=0.003, layer_overhead_s=0.0, seq_overhead_s=4e-4, attn_eff_scale=0.3,
+                         attn_m_half=2.0, attn_small_eff_scale=0.08)
+    cpu = CATALOG["cpu"]
+    measured_hw = dataclasses.replace(cpu, coefficients=truth)
+    small_chunks = [decode_shape(4, 200 + 8 * k) + prefill_shape(rows, 256 * k) for k in range(1, 9)
+                    for rows in (4, 16)]
+    long_chunks = [decode_shape(4, 140 + 4 * k) + prefill_shape(256, 256 * k) for k in range(4)]
+    samples = [Sample(s, step_time_shape(SMALL, measured_hw, s, dtype="fp32").total_s)
+               for s in shapes() + small_chunks + long_chunks]
+    fitted, err = fit_coefficients(SMALL, cpu, samples, dtype="fp32", fixed={"weight_bw_eff": 0.9})
+    assert err < 0.01
+    assert fitted.attn_small_eff_scale * fitted.compute_eff == pytest.approx(0.048, rel=0.1)
+    hw = dataclasses.replace(cpu, coefficients=fitted)
+    for new in (decode_shape(4, 300) + prefill_shape(4, 4092), prefill_shape(2048, 0)):
+        assert step_time_shape(SMALL, hw, new, dtype="fp32").total_s == pytest.approx(
+            step_time_shape(SMALL, measured_hw, new, dtype="fp32").total_s, rel=0.03)
