@@ -2,10 +2,12 @@
 
     python scripts/bench_forward_ab.py --batch 16 --eigen-max-rows 16,0
     python scripts/bench_forward_ab.py --batch 20 --token-buckets "1,2,4,8,16,32,64;1,2,4,8,16,24,32,64"
+    python scripts/bench_forward_ab.py --batch 64 --cpu-attention-kernel 1,0
 
 Each variant is one engine (`small`, float32, a 256 MiB KV pool) running `--batch` decodes after 128-token
 prompts; `--eigen-max-rows` sets `jaxserve.model.llama.CPU_EIGEN_MAX_ROWS` while that engine first traces its
-forward (0: every projection goes to XLA's default GEMM). Rounds alternate the variants, so a machine that
+forward (0: every projection goes to XLA's default GEMM); `--cpu-attention-kernel 0` keeps its attention in jnp.
+Rounds alternate the variants, so a machine that
 slows down mid-run slows all of them; the script prints each round's median, the median of the rounds, and
 the median over rounds of each variant's time over the first variant's (robust to such slowdowns).
 """
@@ -26,12 +28,13 @@ from jaxserve.model_runner import bucket_for
 from jaxserve.sampling_params import SamplingParams
 
 
-def decode_forward(model: str, batch: int, eigen_max_rows: int, token_buckets: tuple[int, ...]):
+def decode_forward(model: str, batch: int, eigen_max_rows: int, token_buckets: tuple[int, ...], kernel: bool):
     """A zero-argument function running one engine's jitted forward on a decode step of `batch` requests."""
     llama.CPU_EIGEN_MAX_ROWS = eigen_max_rows
     budget = {"max_num_batched_tokens": token_buckets[-1]} if token_buckets else {}
     engine = LLMEngine(EngineConfig(model=model, max_num_seqs=max(32, batch), kv_cache_memory=256 << 20,
-                                    warmup=False, token_buckets=token_buckets, **budget))
+                                    warmup=False, token_buckets=token_buckets, cpu_attention_kernel=kernel,
+                                    **budget))
     params = SamplingParams(max_tokens=256, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"p{i}", [(i + j) % 1000 + 1 for j in range(128)], params)
@@ -56,12 +59,14 @@ def main() -> None:
     ap.add_argument("--eigen-max-rows", default=str(llama.CPU_EIGEN_MAX_ROWS), help="comma-separated variants")
     ap.add_argument("--token-buckets", default="", help="';'-separated ladders, each comma-separated; "
                     "empty: the engine's default")
+    ap.add_argument("--cpu-attention-kernel", default="1", help="comma-separated variants, 1 or 0")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--calls", type=int, default=25)
     args = ap.parse_args()
     ladders = [tuple(int(b) for b in s.split(",")) if s else () for s in args.token_buckets.split(";")]
-    variants = list(itertools.product([int(r) for r in args.eigen_max_rows.split(",")], ladders))
-    forwards = [decode_forward(args.model, args.batch, rows, ladder) for rows, ladder in variants]
+    kernels = [bool(int(k)) for k in args.cpu_attention_kernel.split(",")]
+    variants = list(itertools.product([int(r) for r in args.eigen_max_rows.split(",")], ladders, kernels))
+    forwards = [decode_forward(args.model, args.batch, rows, ladder, kernel) for rows, ladder, kernel in variants]
     medians: list[list[float]] = [[] for _ in variants]
     for _ in range(args.rounds):
         for i, forward in enumerate(forwards):
@@ -71,9 +76,10 @@ def main() -> None:
                 jax.block_until_ready(forward())
                 times.append(time.perf_counter() - t)
             medians[i].append(float(np.median(times)) * 1e3)
-    for (rows, ladder), ms in zip(variants, medians, strict=True):
+    for (rows, ladder, kernel), ms in zip(variants, medians, strict=True):
         ratio = float(np.median(np.array(ms) / np.array(medians[0])))
-        print(f"{args.model}, {args.batch} decodes, eigen_max_rows={rows}, buckets={ladder or 'default'}: forward "
+        print(f"{args.model}, {args.batch} decodes, eigen_max_rows={rows}, buckets={ladder or 'default'}, "
+              f"cpu_attention_kernel={kernel}: forward "
               f"{float(np.median(ms)):.2f} ms, {ratio:.3f}x the first variant (median of the rounds' ratios; "
               f"rounds: {', '.join(f'{m:.2f}' for m in ms)})")
 
