@@ -1,7 +1,7 @@
 // Paged attention for decodes and short prefill chunks on a CPU, as an XLA FFI custom call.
 //
 // XLA's CPU code for these shapes (a few query rows against a long paged history) ran at ~7x the KV read and on
-// one core of two; see BUILD.md, "A CPU attention kernel". This kernel takes the same ragged batch as
+// one core of two; see BUILD.md, "The CPU attention kernel". This kernel takes the same ragged batch as
 // `paged_attention` in jnp (q [T, H, D]; K/V pools [pages, page_size, kv_heads, D]; page_table [S, W];
 // kv_lens [S]; cu_q_lens [S+1]; num_seqs []) and computes, for every real sequence with at most `max_rows` query
 // rows, causal GQA attention over its pages with an online softmax, one (sequence, KV head) pair per work item,

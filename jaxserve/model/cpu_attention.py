@@ -32,8 +32,9 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_attention.cc")
 TARGET = "jaxserve_paged_attention"
 SYMBOL = "JaxservePagedAttention"
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared",
-         "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC") + (
+    # x86 only: lets the auto-vectorised loops (the exponentials) use whole AVX-512 registers where there are some
+    ("-mprefer-vector-width=512",) if platform.machine().lower() in ("x86_64", "amd64") else ())
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # the sizes `AttendAny` in cpu_attention.cc is built for
 CACHE_DIR = Path("~/.cache/jaxserve/kernels")
 

@@ -19,6 +19,7 @@ from jax import lax
 
 from jaxserve.model import cpu_attention
 from jaxserve.model.metadata import AttentionMetadata
+from planner.step_model import SMALL_CHUNK_ROWS
 
 # KV tokens per inner block (rounded to whole pages) and query rows per prefill block.
 DEFAULT_KV_BLOCK = 256
@@ -57,9 +58,9 @@ DEFAULT_DECODE_TAIL_BLOCK = 32
 Q_BLOCK_OVERHEAD_ROWS = 20
 # On a CPU (float32) the C++ kernel takes decodes and prefill chunks of up to this many rows; longer chunks stay on
 # XLA's dots, which catch up with the kernel's dot-per-key loop at 64 rows over 2k keys (beside 4 decodes, one
-# layer of `small`: 32 rows 2.4 vs 4.2 ms, 64 rows 5.2 vs 5.2, 128 rows 10.7 vs 8.1; BUILD.md, "The CPU
-# attention kernel").
-KERNEL_MAX_ROWS = 32
+# layer of `small`, kernel vs jnp: 32 rows 2.8 vs 5.1 ms, 64 rows 5.5 vs 5.6, 128 rows 10.2 vs 7.4; BUILD.md,
+# "The CPU attention kernel, measured"). The planner prices these chunks apart with the same constant.
+KERNEL_MAX_ROWS = SMALL_CHUNK_ROWS
 # ... and spreads a step's work over both threads from this many query rows x context keys on.
 KERNEL_PARALLEL_KEYS = 4096
 
