@@ -111,7 +111,6 @@ class ModelRunner:
         self.param_leaves, self._param_tree = jax.tree.flatten(self.params)
         self.kv_caches = kv_caches
         self.page_size = page_size
-        self.cpu_attention_kernel = cpu_attention_kernel  # see `paged_attention`; single-device meshes only
         self.max_num_seqs = max_num_seqs
         self.pages_per_seq = math.ceil(max_model_len / page_size)
         self.token_buckets = token_buckets
@@ -124,6 +123,8 @@ class ModelRunner:
         sharding = kv_caches[0][0].sharding
         self.platform = next(iter(sharding.device_set)).platform  # "cpu", "gpu", "tpu"
         self.mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
+        # XLA cannot split the CPU kernel's custom call over a mesh of several devices (see `paged_attention`).
+        self.cpu_attention_kernel = cpu_attention_kernel and (self.mesh is None or self.mesh.size == 1)
         wide = dict(compiler_options=CPU_SEPARATE_DOTS_OPTIONS) if self.platform == "cpu" else {}
         if self.mesh is None:  # plain single-device arrays
             self._replicated = None
@@ -162,8 +163,7 @@ class ModelRunner:
         token_ids = jnp.where(token_ids < 0, prev_tokens[jnp.clip(-token_ids - 1, 0, prev_tokens.shape[0] - 1)],
                               token_ids)
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._param_tree, param_leaves))
-        hidden, kv_caches = model(token_ids, positions, kv_caches, meta,
-                                  cpu_kernel=self.cpu_attention_kernel and (self.mesh is None or self.mesh.size == 1))
+        hidden, kv_caches = model(token_ids, positions, kv_caches, meta, cpu_kernel=self.cpu_attention_kernel)
         return hidden[logits_indices], kv_caches
 
     def _sample_impl(self, param_leaves, hidden_rows, temperature, top_k, top_p, min_p, seed, step, want_logprobs):

@@ -279,8 +279,9 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: 
     over `kv_block`-token KV blocks up to the causal limit (by default 256 on CPU, 2048 elsewhere). Rows of
     padded tokens come back as zeros.
 
-    On a CPU in float32, with `cpu_kernel` and the kernel built (`cpu_attention.available()`), decodes and chunks
-    of up to `kernel_max_rows` rows go to the C++ kernel instead, and the loops above take only the longer chunks.
+    On a CPU in float32, with `cpu_kernel`, `decode_mode="auto"` and the kernel built (`cpu_attention.available()`),
+    decodes and chunks of up to `kernel_max_rows` rows go to the C++ kernel instead, and the loops above take only
+    the longer chunks.
     """
     t, h, d = q.shape
     page_size, kvh = k_cache.shape[1], k_cache.shape[2]
@@ -299,13 +300,12 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: 
     wide_pages = {rows: _wide_block_pages(g * rows, block_pages, page_size, meta.page_table.shape[1]) if on_cpu
                   else () for rows in sizes}
     if cpu_kernel and decode_mode == "auto" and cpu_attention.supports(q, k_cache):
-        o = cpu_attention.cpu_paged_attention(q.astype(jnp.float32), k_cache, v_cache, meta, scale, kernel_max_rows,
-                                              KERNEL_PARALLEL_KEYS)
+        o = cpu_attention.cpu_paged_attention(q, k_cache, v_cache, meta, scale, kernel_max_rows, KERNEL_PARALLEL_KEYS)
         if t <= kernel_max_rows:  # no sequence can be longer than the step
-            return o.astype(q.dtype)
+            return o
         out = jnp.pad(o.reshape(t, kvh, g, d), ((0, sizes[0]), (0, 0), (0, 0), (0, 0)))
         return _prefill_loops(qg, k_cache, v_cache, meta, page_table, out, scale, sizes, block_pages, wide_pages,
-                              min_rows=kernel_max_rows + 1).reshape(t, h, d).astype(q.dtype)
+                              min_rows=kernel_max_rows + 1).reshape(t, h, d)
     out = jnp.zeros((t + sizes[0], kvh, g, d), jnp.float32)
 
     if decode_mode == "auto":
