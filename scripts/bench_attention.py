@@ -25,7 +25,6 @@ from jaxserve.model.metadata import AttentionMetadata
 from jaxserve.model.paged_attention import (
     DEFAULT_DECODE_KV_BLOCK,
     DEFAULT_DECODE_TAIL_BLOCK,
-    KERNEL_MAX_ROWS,
     default_q_blocks,
     paged_attention,
 )
@@ -81,9 +80,7 @@ def main() -> None:
     ap.add_argument("--decode-tail-block", type=int, default=DEFAULT_DECODE_TAIL_BLOCK)
     ap.add_argument("--decode-mode", default="auto", choices=["auto", "loop", "batched"])
     ap.add_argument("--no-kernel", action="store_true",
-                    help="keep decodes and short chunks in jnp rather than the C++ CPU kernel (for A/Bs)")
-    ap.add_argument("--kernel-max-rows", type=int, default=KERNEL_MAX_ROWS,
-                    help="longest chunk the CPU kernel takes (longer ones: jnp)")
+                    help="attend in jnp rather than the C++ CPU kernel (for A/Bs)")
     ap.add_argument("--with-decodes", type=int, default=0,
                     help="run each prefill chunk beside this many decodes at --context (a mixed step)")
     ap.add_argument("--decodes", default="1,16,32,64")
@@ -98,14 +95,13 @@ def main() -> None:
     fn = jax.jit(functools.partial(paged_attention, scale=d**-0.5, kv_block=args.kv_block,
                                    q_blocks=q_blocks,
                                    decode_kv_block=args.decode_kv_block, decode_mode=args.decode_mode,
-                                   decode_tail_block=args.decode_tail_block, cpu_kernel=not args.no_kernel,
-                                   kernel_max_rows=args.kernel_max_rows))
+                                   decode_tail_block=args.decode_tail_block, cpu_kernel=not args.no_kernel))
     kv_token_bytes = 2 * kvh * d * 4
     print(f"# {args.model}: {h} heads, {kvh} kv heads, head_dim {d}, page {args.page_size}, "
           f"kv_block {args.kv_block or 'auto'}, q_blocks {args.q_blocks}, "
           f"decode_kv_block {args.decode_kv_block} (tail {args.decode_tail_block}) "
           f"({args.decode_mode}), "
-          f"{'jnp only' if args.no_kernel else f'CPU kernel up to {args.kernel_max_rows} rows'}, "
+          f"{'jnp only' if args.no_kernel else 'CPU kernel'}, "
           f"backend {jax.default_backend()}")
     print(f"{'case':<28}{'ms/layer':>10}{'floor ms':>10}{'x floor':>9}")
     for s in [int(x) for x in args.decodes.split(",") if x]:

@@ -15,7 +15,6 @@ from jaxserve.model import cpu_attention
 from jaxserve.model.metadata import AttentionMetadata
 from jaxserve.model.paged_attention import (
     DEFAULT_Q_BLOCKS,
-    KERNEL_MAX_ROWS,
     _block_sizes,
     _cover,
     _wide_block_pages,
@@ -81,8 +80,7 @@ def dense_reference(q, k_cache, v_cache, m, scale):
 
 @functools.cache
 def attention_fn(kv_block: int, q_block: int, decode_mode: str):
-    """decode_mode "loop" or "batched": the jnp paths; "kernel": decodes and chunks of up to KERNEL_MAX_ROWS rows
-    in the C++ CPU kernel, longer chunks in jnp."""
+    """decode_mode "loop" or "batched": the jnp paths; "kernel": the whole step in the C++ CPU kernel."""
     # Blocks of q_block rows, then half and quarter blocks: every chunk length takes a different mix of sizes.
     kernel = decode_mode == "kernel"
     return jax.jit(functools.partial(paged_attention, scale=D**-0.5, kv_block=kv_block,
@@ -123,9 +121,10 @@ def test_mixed_batch(heads, kv_heads, decode_mode):
     # and a one-token prefill chunk.
     check(rng, heads, kv_heads, [4, 17], [(11, 0), (9, 13), (1, 6)], decode_mode=decode_mode)
     check(rng, heads, kv_heads, [1, 2, 3, 40, 47, 9, 5, 33], [], decode_mode=decode_mode)
-    # A chunk longer than KERNEL_MAX_ROWS: in "kernel" mode it takes the jnp loops beside the kernel's rows.
-    assert KERNEL_MAX_ROWS < 40
+    # Longer chunks: the kernel splits one into tiles of 96 query rows of a KV head (45 tokens: two tiles of
+    # 23 and 22 tokens with 4 query heads a KV head; one tile of 90 rows with 2; one of 45 rows with 1).
     check(rng, heads, kv_heads, [7], [(40, 3), (2, 9)], decode_mode=decode_mode)
+    check(rng, heads, kv_heads, [], [(45, 2)], decode_mode=decode_mode)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), HEADS)

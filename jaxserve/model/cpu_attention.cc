@@ -1,11 +1,12 @@
-// Paged attention for decodes and short prefill chunks on a CPU, as an XLA FFI custom call.
+// Paged attention over a ragged batch on a CPU, as an XLA FFI custom call.
 //
-// XLA's CPU code for these shapes (a few query rows against a long paged history) ran at ~7x the KV read and on
-// one core of two; see BUILD.md, "The CPU attention kernel". This kernel takes the same ragged batch as
-// `paged_attention` in jnp (q [T, H, D]; K/V pools [pages, page_size, kv_heads, D]; page_table [S, W];
-// kv_lens [S]; cu_q_lens [S+1]; num_seqs []) and computes, for every real sequence with at most `max_rows` query
-// rows, causal GQA attention over its pages with an online softmax, one (sequence, KV head) pair per work item,
-// spread over XLA's intra-op thread pool. Rows of other sequences and of padding come back as zeros.
+// XLA's CPU code for these shapes (a few query rows against a long paged history, or a chunk against its own
+// causal triangle) ran at several times its floors and on one core of two; see BUILD.md, "The CPU attention
+// kernel". This kernel takes the same ragged batch as `paged_attention` in jnp (q [T, H, D]; K/V pools [pages,
+// page_size, kv_heads, D]; page_table [S, W]; kv_lens [S]; cu_q_lens [S+1]; num_seqs []) and computes causal GQA
+// attention over every sequence's pages with an online softmax. Work items are (sequence, KV head) pairs, with
+// long chunks split into tiles of query rows, spread over XLA's intra-op thread pool. Padded rows come back as
+// zeros.
 
 #include <algorithm>
 #include <atomic>
@@ -159,15 +160,206 @@ void Attend(const Problem& p, int s, int h, std::vector<float>& scratch) {
   }
 }
 
-void AttendAny(const Problem& p, int head_dim, int s, int h, std::vector<float>& scratch) {
+
+typedef int32_t IVec __attribute__((vector_size(64)));
+
+// e^x for x <= 0 (Cephes' expf polynomial, ~2 ulp), in whole vectors: the tile path exponentiates a block's
+// scores 16 rows at a time.
+inline Vec Exp(Vec x) {
+  const Vec lo = Vec{} - 87.0f;
+  x = x < lo ? lo : x;
+  const IVec n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, IVec);  // round(x / ln 2), x <= 0
+  const Vec nf = __builtin_convertvector(n, Vec);
+  const Vec r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  Vec y = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const IVec bits = (n + 127) << 23;
+  Vec scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+// Scores of 4 keys against NV vectors of query rows: st[kk * mp + row] = q[row] . key[kk], with q transposed
+// ([D][mp]) so each key element is one broadcast against 16 rows.
+template <int D, int NV>
+inline void ScoreKeys(const float* qt, int mp, const float* const* keys, float* st) {
+  Vec acc[4][NV];
+  for (int kk = 0; kk < 4; ++kk)
+    for (int v = 0; v < NV; ++v) acc[kk][v] = Vec{};
+  for (int d = 0; d < D; ++d) {
+    Vec qv[NV];
+    for (int v = 0; v < NV; ++v) qv[v] = Load(qt + d * mp + v * kLanes);
+    for (int kk = 0; kk < 4; ++kk) {
+      const float kd = keys[kk][d];
+      for (int v = 0; v < NV; ++v) acc[kk][v] += kd * qv[v];
+    }
+  }
+  for (int kk = 0; kk < 4; ++kk)
+    for (int v = 0; v < NV; ++v) Store(st + kk * mp + v * kLanes, acc[kk][v]);
+}
+
+template <int D>
+void ScoreBlock(const float* qt, int mp, const float* const* keys, int nk4, float* st) {
+  constexpr int kMaxNV = 6;  // 4 keys x 6 vectors: 24 accumulators of AVX-512's 32 registers
+  for (int v0 = 0; v0 < mp / kLanes; v0 += kMaxNV) {
+    const int nv = std::min(kMaxNV, mp / kLanes - v0);
+    const float* q = qt + v0 * kLanes;
+    float* s = st + v0 * kLanes;
+    for (int j = 0; j < nk4; j += 4) {
+      switch (nv) {
+        case 1: ScoreKeys<D, 1>(q, mp, keys + j, s + j * mp); break;
+        case 2: ScoreKeys<D, 2>(q, mp, keys + j, s + j * mp); break;
+        case 3: ScoreKeys<D, 3>(q, mp, keys + j, s + j * mp); break;
+        case 4: ScoreKeys<D, 4>(q, mp, keys + j, s + j * mp); break;
+        case 5: ScoreKeys<D, 5>(q, mp, keys + j, s + j * mp); break;
+        default: ScoreKeys<D, 6>(q, mp, keys + j, s + j * mp); break;
+      }
+    }
+  }
+}
+
+// Query rows (tokens x group) per work item of the tile path, and the fewest a sequence needs to take it.
+constexpr int kTileRows = 96;
+constexpr int kMinTileRows = 8;
+
+// Attention of query tokens [r0, r1) of sequence s (chunk-relative) for KV head h, as small GEMMs: Q^T is laid
+// out once per tile, each 64-key block is scored by broadcasting key elements against 16 rows at a time, the
+// online softmax runs 16 rows a vector, and P.V accumulates a few rows' outputs in registers per key.
+template <int D>
+void AttendTile(const Problem& p, int s, int h, int r0, int r1, std::vector<float>& scratch) {
+  constexpr int C = D / kLanes;
+  constexpr int MR = C <= 2 ? 8 : C <= 6 ? 4 : C <= 12 ? 2 : 1;  // P.V rows a pass: MR x C accumulators
+  const int q0 = p.cu_q_lens[s];
+  const int q_len = p.cu_q_lens[s + 1] - q0;
+  const int kv_len = p.kv_lens[s];
+  const int ctx = kv_len - q_len;
+  const int g = static_cast<int>(p.group);
+  const int m_rows = (r1 - r0) * g;
+  const int mp = (m_rows + kLanes - 1) / kLanes * kLanes;
+  scratch.resize(static_cast<size_t>(mp) * (2 * D + kBlockKeys + 4));
+  float* qt = scratch.data();             // [D][mp]
+  float* acc = qt + mp * D;               // [mp][D]
+  float* st = acc + mp * D;               // [kBlockKeys][mp]
+  float* mx = st + mp * kBlockKeys;       // [mp] running max
+  float* den = mx + mp;                   // [mp] running denominator
+  float* alpha = den + mp;                // [mp] this block's rescale
+  float* limit = alpha + mp;              // [mp] keys [0, limit) are visible to the row
+
+  std::memset(qt, 0, sizeof(float) * mp * D);
+  for (int r = r0; r < r1; ++r) {
+    for (int j = 0; j < g; ++j) {
+      const int m = (r - r0) * g + j;
+      const float* src = p.q + ((q0 + r) * p.heads + h * g + j) * D;
+      for (int d = 0; d < D; ++d) qt[d * mp + m] = src[d] * p.scale;
+      limit[m] = static_cast<float>(std::min(ctx + r + 1, kv_len));
+    }
+  }
+  for (int m = m_rows; m < mp; ++m) limit[m] = 0.0f;
+  for (int m = 0; m < mp; ++m) mx[m] = kMasked, den[m] = 0.0f;
+  std::memset(acc, 0, sizeof(float) * mp * D);
+
+  const int32_t* row = p.page_table + static_cast<int64_t>(s) * p.table_width;
+  const int64_t token_stride = p.kv_heads * D;
+  const float* kp[kBlockKeys];
+  const float* vp[kBlockKeys];
+  const int ps = static_cast<int>(p.page_size);
+  const int kv_end = std::min(kv_len, ctx + r1);  // the last row's limit
+  const int first_limit = ctx + r0 + 1;           // the first row's
+  for (int k0 = 0; k0 < kv_end; k0 += kBlockKeys) {
+    const int nk = std::min(kBlockKeys, kv_end - k0);
+    const int nk4 = (nk + 3) / 4 * 4;
+    for (int j = 0; j < nk;) {
+      const int t = k0 + j;
+      const int in_page = t % ps;
+      const int run = std::min(ps - in_page, nk - j);
+      const int64_t base = (static_cast<int64_t>(row[t / ps]) * ps + in_page) * token_stride + h * D;
+      for (int i = 0; i < run; ++i, ++j) {
+        kp[j] = p.k + base + i * token_stride;
+        vp[j] = p.v + base + i * token_stride;
+      }
+    }
+    for (int j = nk; j < nk4; ++j) kp[j] = kp[0];  // scored, then masked: every such key lies past every limit
+
+    ScoreBlock<D>(qt, mp, kp, nk4, st);
+    const bool masked = k0 + nk4 > first_limit;
+    for (int v = 0; v < mp; v += kLanes) {
+      const Vec lim = Load(limit + v);
+      Vec block_max = Vec{} + kMasked;
+      for (int j = 0; j < nk4; ++j) {
+        Vec sj = Load(st + j * mp + v);
+        if (masked) {
+          sj = Vec{} + static_cast<float>(k0 + j) < lim ? sj : Vec{} + kMasked;
+          Store(st + j * mp + v, sj);
+        }
+        block_max = block_max < sj ? sj : block_max;
+      }
+      const Vec m_old = Load(mx + v);
+      const Vec m_new = m_old < block_max ? block_max : m_old;
+      Vec sum = Vec{};
+      for (int j = 0; j < nk4; ++j) {
+        const Vec e = Exp(Load(st + j * mp + v) - m_new);
+        Store(st + j * mp + v, e);
+        sum += e;
+      }
+      const Vec a = Exp(m_old - m_new);
+      Store(alpha + v, a);
+      Store(mx + v, m_new);
+      Store(den + v, Load(den + v) * a + sum);
+    }
+    for (int m = 0; m < m_rows; m += MR) {
+      Vec o[MR][C];
+      for (int i = 0; i < MR; ++i)
+        for (int c = 0; c < C; ++c) o[i][c] = Load(acc + (m + i) * D + c * kLanes) * alpha[m + i];
+      for (int j = 0; j < nk; ++j) {
+        Vec vv[C];
+        for (int c = 0; c < C; ++c) vv[c] = Load(vp[j] + c * kLanes);
+        const float* pj = st + j * mp + m;
+        for (int i = 0; i < MR; ++i)
+          for (int c = 0; c < C; ++c) o[i][c] += pj[i] * vv[c];
+      }
+      for (int i = 0; i < MR; ++i)
+        for (int c = 0; c < C; ++c) Store(acc + (m + i) * D + c * kLanes, o[i][c]);
+    }
+  }
+
+  for (int r = r0; r < r1; ++r) {
+    for (int j = 0; j < g; ++j) {
+      const int m = (r - r0) * g + j;
+      float* dst = p.out + ((q0 + r) * p.heads + h * g + j) * D;
+      const float inv = den[m] > 0.0f ? 1.0f / den[m] : 0.0f;
+      for (int d = 0; d < D; ++d) dst[d] = acc[m * D + d] * inv;
+    }
+  }
+}
+
+// One work item: query tokens [r0, r1) of sequence s for KV head h. Sequences with fewer than kMinTileRows
+// query rows (decodes, the smallest chunks) are one item each on the per-key dot path; longer chunks are split
+// into tiles of at most kTileRows rows.
+struct Item {
+  int s, h, r0, r1;
+  int64_t cost;  // query rows x keys they see, to hand out the largest items first
+};
+
+template <int D>
+void AttendItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
+  const int q_len = p.cu_q_lens[it.s + 1] - p.cu_q_lens[it.s];
+  if (q_len * p.group < kMinTileRows) return Attend<D>(p, it.s, it.h, scratch);
+  AttendTile<D>(p, it.s, it.h, it.r0, it.r1, scratch);
+}
+
+void AttendAny(const Problem& p, int head_dim, const Item& it, std::vector<float>& scratch) {
   switch (head_dim) {
-    case 16: return Attend<16>(p, s, h, scratch);
-    case 32: return Attend<32>(p, s, h, scratch);
-    case 64: return Attend<64>(p, s, h, scratch);
-    case 80: return Attend<80>(p, s, h, scratch);
-    case 96: return Attend<96>(p, s, h, scratch);
-    case 128: return Attend<128>(p, s, h, scratch);
-    case 256: return Attend<256>(p, s, h, scratch);
+    case 16: return AttendItem<16>(p, it, scratch);
+    case 32: return AttendItem<32>(p, it, scratch);
+    case 64: return AttendItem<64>(p, it, scratch);
+    case 80: return AttendItem<80>(p, it, scratch);
+    case 96: return AttendItem<96>(p, it, scratch);
+    case 128: return AttendItem<128>(p, it, scratch);
+    case 256: return AttendItem<256>(p, it, scratch);
     default: return;  // the Python side only calls the kernel for these head dimensions
   }
 }
@@ -176,7 +368,7 @@ void AttendAny(const Problem& p, int head_dim, int s, int h, std::vector<float>&
 struct Work {
   Problem problem;
   int head_dim;
-  std::vector<int> items;  // s * kv_heads + h
+  std::vector<Item> items;
   std::atomic<int> next{0};
   std::atomic<int> done{0};
 
@@ -184,8 +376,7 @@ struct Work {
     thread_local std::vector<float> scratch;
     const int n = static_cast<int>(items.size());
     for (int i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
-      const int item = items[i];
-      AttendAny(problem, head_dim, item / problem.kv_heads, item % problem.kv_heads, scratch);
+      AttendAny(problem, head_dim, items[i], scratch);
       done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -194,8 +385,7 @@ struct Work {
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
                               ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> page_table,
                               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> cu_q_lens,
-                              ffi::Buffer<ffi::S32> num_seqs, float scale, int64_t max_rows,
-                              int64_t min_parallel_keys, ffi::ResultBuffer<ffi::F32> out) {
+                              ffi::Buffer<ffi::S32> num_seqs, float scale, int64_t min_parallel_keys, ffi::ResultBuffer<ffi::F32> out) {
   const auto q_dims = q.dimensions();
   const auto kv_dims = k_cache.dimensions();
   if (q_dims.size() != 3 || kv_dims.size() != 4 || page_table.dimensions().size() != 2) {
@@ -220,16 +410,26 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   const int seqs = num_seqs.typed_data()[0];
   float* o = out->typed_data();
   const int64_t row_floats = heads * head_dim;
+  const int32_t* lens = kv_lens.typed_data();
+  const int group = static_cast<int>(heads / kv_heads);
+  const int tile_tokens = std::max(1, kTileRows / group);
   int64_t keys = 0;
   for (int s = 0; s < seqs; ++s) {
     const int q_len = cu[s + 1] - cu[s];
-    if (q_len < 1 || q_len > max_rows) {  // not ours: zeros (a longer chunk is the jnp path's)
-      std::memset(o + cu[s] * row_floats, 0, sizeof(float) * std::max(q_len, 0) * row_floats);
-      continue;
+    if (q_len < 1) continue;
+    const int ctx = lens[s] - q_len;
+    keys += static_cast<int64_t>(lens[s]) * q_len;
+    // Tiles of near-equal size: a 33-token chunk is two of 17 tokens, not 32 and 1.
+    const int tiles = q_len * group < kMinTileRows ? 1 : (q_len + tile_tokens - 1) / tile_tokens;
+    for (int i = 0; i < tiles; ++i) {
+      const int r0 = static_cast<int>(static_cast<int64_t>(q_len) * i / tiles);
+      const int r1 = static_cast<int>(static_cast<int64_t>(q_len) * (i + 1) / tiles);
+      const int64_t cost = static_cast<int64_t>(r1 - r0) * (ctx + r1);
+      for (int h = 0; h < kv_heads; ++h) work->items.push_back(Item{s, h, r0, r1, cost});
     }
-    keys += static_cast<int64_t>(kv_lens.typed_data()[s]) * q_len;
-    for (int h = 0; h < kv_heads; ++h) work->items.push_back(static_cast<int>(s * kv_heads + h));
   }
+  std::stable_sort(work->items.begin(), work->items.end(),
+                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const int64_t used = seqs > 0 ? cu[seqs] : 0;
   std::memset(o + used * row_floats, 0, sizeof(float) * (tokens - used) * row_floats);
 
@@ -256,6 +456,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
-                                  .Attr<int64_t>("max_rows")
                                   .Attr<int64_t>("min_parallel_keys")
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -19,7 +19,6 @@ from jax import lax
 
 from jaxserve.model import cpu_attention
 from jaxserve.model.metadata import AttentionMetadata
-from planner.step_model import SMALL_CHUNK_ROWS
 
 # KV tokens per inner block (rounded to whole pages) and query rows per prefill block.
 DEFAULT_KV_BLOCK = 256
@@ -56,12 +55,10 @@ DEFAULT_DECODE_TAIL_BLOCK = 32
 # (17..20 + 128). Over a 4k-token history the same fit gives ~8 rows (the figures above DEFAULT_Q_BLOCKS); the
 # choices it makes (one 16-row block for 9-16 rows, one 8-row block for 5-8) are the same for either value.
 Q_BLOCK_OVERHEAD_ROWS = 20
-# On a CPU (float32) the C++ kernel takes decodes and prefill chunks of up to this many rows; longer chunks stay on
-# XLA's dots, which catch up with the kernel's dot-per-key loop at 64 rows over 2k keys (beside 4 decodes, one
-# layer of `small`, kernel vs jnp: 32 rows 2.8 vs 5.1 ms, 64 rows 5.5 vs 5.6, 128 rows 10.2 vs 7.4; BUILD.md,
-# "The CPU attention kernel, measured"). The planner prices these chunks apart with the same constant.
-KERNEL_MAX_ROWS = SMALL_CHUNK_ROWS
-# ... and spreads a step's work over both threads from this many query rows x context keys on.
+# On a CPU (float32) the C++ kernel takes every sequence of a step: one layer of `small` beside 4 decodes, kernel
+# vs these jnp loops, 32 rows after 2016 tokens 1.06 vs 4.44 ms, 128 after 1920 3.86 vs 8.01, 1024 from scratch
+# 8.7 vs 21.3 (BUILD.md, "The CPU attention kernel, measured"). It spreads a step's work over XLA's intra-op
+# threads from this many query rows x context keys on; below that, waking a second thread costs more than it saves.
 KERNEL_PARALLEL_KEYS = 4096
 
 
@@ -266,8 +263,7 @@ def _cover(q_len: jax.Array, sizes: tuple[int, ...]) -> tuple[list[jax.Array], j
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata,
                     scale: float, *, kv_block: int | None = None, q_blocks: Sequence[int] | None = None,
                     decode_kv_block: int = DEFAULT_DECODE_KV_BLOCK, decode_tail_block: int = DEFAULT_DECODE_TAIL_BLOCK,
-                    decode_mode: str = "auto", cpu_kernel: bool = True,
-                    kernel_max_rows: int = KERNEL_MAX_ROWS) -> jax.Array:
+                    decode_mode: str = "auto", cpu_kernel: bool = True) -> jax.Array:
     """Causal attention of ragged queries q [T, H, D] over paged K/V (already holding this step's tokens).
 
     Decode sequences (the first `num_decodes`, one query each) loop over their own KV blocks
@@ -280,8 +276,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: 
     padded tokens come back as zeros.
 
     On a CPU in float32, with `cpu_kernel`, `decode_mode="auto"` and the kernel built (`cpu_attention.available()`),
-    decodes and chunks of up to `kernel_max_rows` rows go to the C++ kernel instead, and the loops above take only
-    the longer chunks.
+    the C++ kernel takes the whole step instead (`cpu_attention.cpu_paged_attention`).
     """
     t, h, d = q.shape
     page_size, kvh = k_cache.shape[1], k_cache.shape[2]
@@ -300,12 +295,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: 
     wide_pages = {rows: _wide_block_pages(g * rows, block_pages, page_size, meta.page_table.shape[1]) if on_cpu
                   else () for rows in sizes}
     if cpu_kernel and decode_mode == "auto" and cpu_attention.supports(q, k_cache):
-        o = cpu_attention.cpu_paged_attention(q, k_cache, v_cache, meta, scale, kernel_max_rows, KERNEL_PARALLEL_KEYS)
-        if t <= kernel_max_rows:  # no sequence can be longer than the step
-            return o
-        out = jnp.pad(o.reshape(t, kvh, g, d), ((0, sizes[0]), (0, 0), (0, 0), (0, 0)))
-        return _prefill_loops(qg, k_cache, v_cache, meta, page_table, out, scale, sizes, block_pages, wide_pages,
-                              min_rows=kernel_max_rows + 1).reshape(t, h, d)
+        return cpu_attention.cpu_paged_attention(q, k_cache, v_cache, meta, scale, KERNEL_PARALLEL_KEYS)
     out = jnp.zeros((t + sizes[0], kvh, g, d), jnp.float32)
 
     if decode_mode == "auto":
@@ -341,9 +331,9 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: 
 
 def _prefill_loops(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata,
                    page_table: jax.Array, out: jax.Array, scale: float, sizes: tuple[int, ...], block_pages: int,
-                   wide_pages: dict[int, tuple[int, ...]], min_rows: int = 1) -> jax.Array:
-    """Write the attention of every prefill chunk of at least `min_rows` rows into out [T + sizes[0], kvh, g, d]
-    (other rows keep what `out` holds); returns its first T rows."""
+                   wide_pages: dict[int, tuple[int, ...]]) -> jax.Array:
+    """Write the attention of every prefill chunk into out [T + sizes[0], kvh, g, d] (decode rows keep what `out`
+    holds); returns its first T rows."""
     t = qg.shape[0]
     q_pad = jnp.pad(qg, ((0, sizes[0]), (0, 0), (0, 0), (0, 0)))
 
@@ -369,7 +359,7 @@ def _prefill_loops(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: 
             return lax.fori_loop(0, count, qblock_body, out)
 
         first = jnp.zeros((), q_len.dtype)
-        for rows, count in zip(sizes, _cover(jnp.where(q_len >= min_rows, q_len, 0), sizes)[0], strict=True):
+        for rows, count in zip(sizes, _cover(q_len, sizes)[0], strict=True):
             out = in_blocks(rows, first, count, out)
             first = first + count * rows
         return out
