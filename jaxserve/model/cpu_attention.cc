@@ -55,6 +55,39 @@ struct Problem {
   float scale;
 };
 
+// The K and V rows of a block of keys of one sequence's KV head.
+struct KeyBlock {
+  const float* k[kBlockKeys];
+  const float* v[kBlockKeys];
+};
+
+// Points `b` at the rows of keys [k0, k0 + nk) of KV head h (`row`: the sequence's page-table row), page by page:
+// a page's tokens lie kv_heads * D floats apart (kBlockKeys is a multiple of any page size up to 64; a larger page
+// is walked from the offset inside it). With `prefetch`, the rows are also requested into L2: the next block's,
+// while the current one is computed, since a block's pages are scattered over the pool where the hardware
+// prefetcher cannot follow them.
+template <int D>
+void PointKeys(const Problem& p, const int32_t* row, int h, int k0, int nk, KeyBlock& b, bool prefetch) {
+  const int ps = static_cast<int>(p.page_size);
+  const int64_t stride = p.kv_heads * D;
+  for (int j = 0; j < nk;) {
+    const int t = k0 + j;
+    const int in_page = t % ps;
+    const int run = std::min(ps - in_page, nk - j);
+    const int64_t base = (static_cast<int64_t>(row[t / ps]) * ps + in_page) * stride + h * D;
+    for (int i = 0; i < run; ++i, ++j) {
+      b.k[j] = p.k + base + i * stride;
+      b.v[j] = p.v + base + i * stride;
+      if (prefetch) {
+        for (int c = 0; c < D; c += kLanes) {
+          __builtin_prefetch(b.k[j] + c, 0, 2);
+          __builtin_prefetch(b.v[j] + c, 0, 2);
+        }
+      }
+    }
+  }
+}
+
 // Attention of sequence s's query rows of KV head h. D is the head dimension (a template parameter so the
 // inner loops unroll into whole SIMD registers).
 template <int D>
@@ -88,24 +121,15 @@ void Attend(const Problem& p, int s, int h, std::vector<float>& scratch) {
   std::memset(acc, 0, sizeof(float) * m_rows * D);
 
   const int32_t* row = p.page_table + static_cast<int64_t>(s) * p.table_width;
-  const int64_t token_stride = p.kv_heads * D;
-  const float* kp[kBlockKeys];
-  const float* vp[kBlockKeys];
-  const int ps = static_cast<int>(p.page_size);
-  for (int k0 = 0; k0 < kv_len; k0 += kBlockKeys) {
+  KeyBlock blocks[2];
+  PointKeys<D>(p, row, h, 0, std::min(kBlockKeys, kv_len), blocks[0], false);
+  for (int k0 = 0, cur = 0; k0 < kv_len; k0 += kBlockKeys, cur ^= 1) {
     const int nk = std::min(kBlockKeys, kv_len - k0);
-    // Key pointers page by page: a page's tokens lie token_stride apart (kBlockKeys is a multiple of any page
-    // size up to 64; a larger page is walked from the offset inside it).
-    for (int j = 0; j < nk;) {
-      const int t = k0 + j;
-      const int in_page = t % ps;
-      const int run = std::min(ps - in_page, nk - j);
-      const int64_t base = (static_cast<int64_t>(row[t / ps]) * ps + in_page) * token_stride + h * D;
-      for (int i = 0; i < run; ++i, ++j) {
-        kp[j] = p.k + base + i * token_stride;
-        vp[j] = p.v + base + i * token_stride;
-      }
+    if (k0 + kBlockKeys < kv_len) {
+      PointKeys<D>(p, row, h, k0 + kBlockKeys, std::min(kBlockKeys, kv_len - k0 - kBlockKeys), blocks[cur ^ 1], true);
     }
+    const float* const* kp = blocks[cur].k;
+    const float* const* vp = blocks[cur].v;
     // Scores: each key row is read once for all query rows of this KV head that see it.
     // Limits grow with the row, so the rows that see any of this block are a suffix [first, m_rows); the
     // earlier rows' keys all lie in earlier blocks.
@@ -263,25 +287,18 @@ void AttendTile(const Problem& p, int s, int h, int r0, int r1, std::vector<floa
   std::memset(acc, 0, sizeof(float) * mp * D);
 
   const int32_t* row = p.page_table + static_cast<int64_t>(s) * p.table_width;
-  const int64_t token_stride = p.kv_heads * D;
-  const float* kp[kBlockKeys];
-  const float* vp[kBlockKeys];
-  const int ps = static_cast<int>(p.page_size);
   const int kv_end = std::min(kv_len, ctx + r1);  // the last row's limit
   const int first_limit = ctx + r0 + 1;           // the first row's
-  for (int k0 = 0; k0 < kv_end; k0 += kBlockKeys) {
+  KeyBlock blocks[2];
+  PointKeys<D>(p, row, h, 0, std::min(kBlockKeys, kv_end), blocks[0], false);
+  for (int k0 = 0, cur = 0; k0 < kv_end; k0 += kBlockKeys, cur ^= 1) {
     const int nk = std::min(kBlockKeys, kv_end - k0);
     const int nk4 = (nk + 3) / 4 * 4;
-    for (int j = 0; j < nk;) {
-      const int t = k0 + j;
-      const int in_page = t % ps;
-      const int run = std::min(ps - in_page, nk - j);
-      const int64_t base = (static_cast<int64_t>(row[t / ps]) * ps + in_page) * token_stride + h * D;
-      for (int i = 0; i < run; ++i, ++j) {
-        kp[j] = p.k + base + i * token_stride;
-        vp[j] = p.v + base + i * token_stride;
-      }
+    if (k0 + kBlockKeys < kv_end) {
+      PointKeys<D>(p, row, h, k0 + kBlockKeys, std::min(kBlockKeys, kv_end - k0 - kBlockKeys), blocks[cur ^ 1], true);
     }
+    const float** kp = blocks[cur].k;
+    const float* const* vp = blocks[cur].v;
     for (int j = nk; j < nk4; ++j) kp[j] = kp[0];  // scored, then masked: every such key lies past every limit
 
     ScoreBlock<D>(qt, mp, kp, nk4, st);
