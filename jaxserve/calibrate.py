@@ -145,16 +145,18 @@ def measure_matmul(n: int, dtype: Any, repeats: int = 3) -> float:
     return 2 * n**3 / _best_time(lambda: f(a, b), repeats)
 
 
-def measure_gemm_rows(rows: tuple[int, ...], k: int, n: int, dtype: Any, repeats: int = 3) -> list[dict[str, float]]:
+def measure_gemm_rows(rows: tuple[int, ...], k: int, n: int, dtype: Any, repeats: int = 3,
+                      cpu_kernel: bool = False) -> list[dict[str, float]]:
     """Time of x[M, k] @ W[k, n] per M (the model's fused gate/up shape) as the model runs it (`linear`, which
-    picks the CPU GEMM by M): achieved FLOP/s and bytes/s."""
+    picks the CPU matmul by M; `cpu_kernel`: the engine's, whether it may use jaxserve's): achieved FLOP/s and
+    bytes/s."""
     import jax
     import jax.numpy as jnp
 
     from jaxserve.model.llama import linear
 
     w = jnp.ones((k, n), dtype)
-    f = jax.jit(linear)
+    f = jax.jit(lambda x, w: linear(x, w, cpu_kernel))
     out = []
     for m in rows:
         x = jnp.ones((m, k), dtype)
@@ -164,9 +166,11 @@ def measure_gemm_rows(rows: tuple[int, ...], k: int, n: int, dtype: Any, repeats
     return out
 
 
-def measure_weight_streams(weights: list[Any], rows: tuple[int, ...] = (1, 2), repeats: int = 50) -> dict[int, float]:
+def measure_weight_streams(weights: list[Any], rows: tuple[int, ...] = (1, 2), repeats: int = 50,
+                           cpu_kernel: bool = False) -> dict[int, float]:
     """Weight bytes/s of each `rows` count of tokens through `weights` ([in, ...] arrays, together more than a
-    cache holds), as the model runs them (`linear`): a decode's weight streaming. The row counts alternate and
+    cache holds), as the model runs them (`linear`, with `cpu_kernel` as the engine has it): a decode's weight
+    streaming. The row counts alternate and
     each keeps its median, so their ratio compares the two kernels in the same state of the machine. Fifty
     repeats: a throwaway driver calling this four times on `small`'s shapes read ratios of 1.22-1.29 with 50,
     1.21-1.61 with 15."""
@@ -175,7 +179,7 @@ def measure_weight_streams(weights: list[Any], rows: tuple[int, ...] = (1, 2), r
 
     from jaxserve.model.llama import linear
 
-    f = jax.jit(lambda x, ws: sum(linear(x, w).sum() for w in ws))
+    f = jax.jit(lambda x, ws: sum(linear(x, w, cpu_kernel).sum() for w in ws))
     k = weights[0].shape[0]
     xs = {r: jnp.ones((r, k), weights[0].dtype) for r in rows}
     times: dict[int, list[float]] = {r: [] for r in rows}
@@ -247,7 +251,8 @@ def calibrate(engine, cfg: CalibrationConfig | None = None, progress: Progress |
     say("matmul peak", 0.05)
     peak = measure_matmul(cfg.matmul_n, engine.dtype)
     say("GEMM rows", 0.1)
-    gemm = measure_gemm_rows(cfg.gemm_rows, spec.hidden_size, 2 * spec.intermediate_size, engine.dtype)
+    gemm = measure_gemm_rows(cfg.gemm_rows, spec.hidden_size, 2 * spec.intermediate_size, engine.dtype,
+                             cpu_kernel=engine.runner.cpu_kernels)
     hw, device = local_hardware(bw, peak, dtype)
     ids = PromptSource(engine, seed)
     budget = min(engine.config.max_num_batched_tokens, engine.config.chunk_size)
@@ -282,7 +287,7 @@ def calibrate(engine, cfg: CalibrationConfig | None = None, progress: Progress |
     # another kernel on a CPU (XLA's GEMV), whose rate the fit takes from the engine's one-decode steps
     # (gemv_speedup): measured apart, its stream read 58-71 GB/s in a third of calibrations against 43-49 in
     # the rest while the engine's one-row steps did not move. The one-row stream is kept as a measurement.
-    streams = measure_weight_streams(engine_mlp_weights(engine))
+    streams = measure_weight_streams(engine_mlp_weights(engine), cpu_kernel=engine.runner.cpu_kernels)
     stream, stream_rows = streams[1], streams[2]
     fixed = {"weight_bw_eff": float(np.clip(stream_rows / bw, 0.01, 1.5))}
     coefficients, _ = fit_coefficients(spec, hw, [Sample(s.shape, s.seconds) for s in samples], dtype=dtype,

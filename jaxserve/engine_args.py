@@ -54,8 +54,9 @@ _OPTIONS = [
     click.option("--scheduling-policy", type=click.Choice(["fcfs", "lpm"]), default="fcfs", show_default=True),
     click.option("--async-scheduling/--no-async-scheduling", default=False, show_default=True,
                  help="Schedule step k+1 while step k runs on the device (host work overlaps the device)."),
-    click.option("--cpu-attention-kernel/--no-cpu-attention-kernel", default=True, show_default=True,
-                 help="On a CPU, float32: decodes and short prefill chunks attend in the compiled C++ kernel."),
+    click.option("--cpu-kernels/--no-cpu-kernels", default=True, show_default=True,
+                 help="On a CPU, float32: attention and the matmuls of up to 32 rows run in jaxserve's compiled C++ "
+                      "kernels (off: XLA's own)."),
     click.option("--tensor-parallel-size", "-tp", default=1, show_default=True, type=click.IntRange(min=1),
                  help="Devices the model is sharded over (mesh axis tp); the first N devices."),
     click.option("--disaggregate/--no-disaggregate", default=False, show_default=True,
@@ -85,7 +86,7 @@ def engine_options(fn: Callable) -> Callable:
 
 ENGINE_OPTION_NAMES = ("model", "dtype", "seed", "max_num_seqs", "max_num_batched_tokens", "chunk_size",
                        "page_size", "kv_cache_memory", "gpu_memory_utilization", "max_model_len",
-                       "enable_prefix_caching", "scheduling_policy", "async_scheduling", "cpu_attention_kernel",
+                       "enable_prefix_caching", "scheduling_policy", "async_scheduling", "cpu_kernels",
                        "tensor_parallel_size", "disaggregate",
                        "prefill_devices", "decode_devices", "max_pending_transfers", "coordinator_address",
                        "num_processes", "process_id")

@@ -28,9 +28,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     # The host schedules step k+1 while step k runs (see engine.py); single-process colocated engines only.
     async_scheduling: bool = False
-    # On a CPU in float32, decodes and short prefill chunks attend in the C++ kernel (model/cpu_attention.cc),
-    # built on first use; off, or where no compiler works, attention stays in jnp.
-    cpu_attention_kernel: bool = True
+    # On a CPU in float32, attention and the matmuls of steps of up to 32 tokens run in jaxserve's C++ kernels
+    # (model/cpu_kernels.py), built on first use; off, or where no compiler works, they stay in XLA.
+    cpu_kernels: bool = True
     tensor_parallel_size: int = 1
     device_ids: tuple[int, ...] = field(default_factory=tuple)  # indices into jax.devices(); empty: the first tp
     # Disaggregated serving: a prefill pool on the first `prefill_devices` devices, a decode pool on the next

@@ -104,7 +104,7 @@ class ModelRunner:
 
     def __init__(self, model: nnx.Module, kv_caches, *, page_size: int, max_model_len: int, max_num_seqs: int,
                  token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...],
-                 cpu_attention_kernel: bool = True) -> None:
+                 cpu_kernels: bool = True) -> None:
         self.graphdef, self.params = nnx.split(model)
         # The jitted calls take the parameters as a flat list: flattening the nnx State on every call cost
         # ~0.3 ms per call in Python (two calls a step); a list of arrays flattens in C++.
@@ -123,8 +123,8 @@ class ModelRunner:
         sharding = kv_caches[0][0].sharding
         self.platform = next(iter(sharding.device_set)).platform  # "cpu", "gpu", "tpu"
         self.mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
-        # XLA cannot split the CPU kernel's custom call over a mesh of several devices (see `paged_attention`).
-        self.cpu_attention_kernel = cpu_attention_kernel and (self.mesh is None or self.mesh.size == 1)
+        # XLA cannot split the CPU kernels' custom calls over a mesh of several devices.
+        self.cpu_kernels = cpu_kernels and (self.mesh is None or self.mesh.size == 1)
         wide = dict(compiler_options=CPU_SEPARATE_DOTS_OPTIONS) if self.platform == "cpu" else {}
         if self.mesh is None:  # plain single-device arrays
             self._replicated = None
@@ -163,7 +163,7 @@ class ModelRunner:
         token_ids = jnp.where(token_ids < 0, prev_tokens[jnp.clip(-token_ids - 1, 0, prev_tokens.shape[0] - 1)],
                               token_ids)
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._param_tree, param_leaves))
-        hidden, kv_caches = model(token_ids, positions, kv_caches, meta, cpu_kernel=self.cpu_attention_kernel)
+        hidden, kv_caches = model(token_ids, positions, kv_caches, meta, cpu_kernel=self.cpu_kernels)
         return hidden[logits_indices], kv_caches
 
     def _sample_impl(self, param_leaves, hidden_rows, temperature, top_k, top_p, min_p, seed, step, want_logprobs):

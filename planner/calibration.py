@@ -3,15 +3,17 @@
 The additive step model is linear in the inverse efficiencies and the overheads:
 
     t = compute0 / compute_eff + (attn0 + attn_m_half * pass0) / (compute_eff * attn_eff_scale)
-        + small0 / (compute_eff * attn_small_eff_scale)
+        + small0 / (compute_eff * attn_small_eff_scale) + gemm_small0 / (compute_eff * gemm_small_eff_scale)
         + weights0 / weight_bw_eff + gemv0 / (weight_bw_eff * gemv_speedup)
         + kv0 / kv_bw_eff + comm_bw0 / comm_eff + comm_latency
         + step_overhead + S * seq_overhead + prefill_tokens * prefill_token_overhead
 
 where `compute0` (GEMMs), `attn0` (attention FLOPs), `pass0` (one query row over each prefill chunk's KV),
-`small0` (the attention FLOPs of chunks of at most SMALL_CHUNK_ROWS rows, which jaxserve's CPU kernel attends,
-each key read once for all of a chunk's rows, at a rate of its own; their passes stay in `pass0`, where the many
+`small0` (the attention FLOPs of chunks of at most SMALL_CHUNK_ROWS rows, at a rate of its own: a few rows
+amortise the kernel's per-tile costs less; their passes stay in `pass0`, where the many
 small chunks a calibration measures pin `attn_m_half` for all), `weights0` (matmuls of two rows or more),
+`gemm_small0` (the FLOPs of projections of steps of at most SMALL_GEMM_ROWS tokens, which jaxserve's CPU
+matmul kernel runs at a rate flat in the rows; the other GEMMs' FLOPs, in `compute0`, ramp with gemm_m_half),
 `gemv0` (one-row matmuls), `kv0`, `comm_bw0` are the model's terms at efficiency 1 (`unit_terms`). Attention has
 its own efficiency: on a CPU the jnp paged attention runs far below the GEMMs, and sharing one efficiency made
 the fit trade long-context (chunked) steps against short prefills, over-predicting the latter by ~20%. Its
@@ -42,19 +44,22 @@ from planner.step_model import (
     ATTENTION_SMALL,
     StepShape,
     _collective_s,
+    is_small_gemm,
     op_costs,
     step_time_shape,
 )
 
 M_HALF_GRID = (0.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
-_COLUMNS = ("compute", "attn", "attn_pass", "attn_small", "weights", "gemv", "kv", "comm_bw", "step", "seq",
-            "prefill_token")
-_EFF_COLUMNS = ("compute", "attn", "attn_small", "weights", "kv", "comm_bw")
+_COLUMNS = ("compute", "gemm_small", "attn", "attn_pass", "attn_small", "weights", "gemv", "kv", "comm_bw", "step",
+            "seq", "prefill_token")
+_EFF_COLUMNS = ("compute", "gemm_small", "attn", "attn_small", "weights", "kv", "comm_bw")
 _ATTENTION_COLUMNS = {"attention": "attn", ATTENTION_PASS: "attn_pass", ATTENTION_SMALL: "attn_small"}
-GEMV_SPEEDUP_RANGE = (0.5, 3.0)
 # Steps with small chunks (SMALL_CHUNK_ROWS) needed before their pairs get their own efficiency: with one or two,
 # the free column would absorb those steps whole and loosen the GEMM terms they also pin.
-MIN_SMALL_CHUNK_SAMPLES = 4  # what a fitted one-row rate may be, relative to the multi-row one
+MIN_SMALL_CHUNK_SAMPLES = 4
+# Likewise steps with small projections (SMALL_GEMM_ROWS) and steps with larger ones, before the two get rates apart.
+MIN_SMALL_GEMM_SAMPLES = 4
+GEMV_SPEEDUP_RANGE = (0.5, 3.0)  # what a fitted one-row rate may be, relative to the multi-row one
 
 
 @dataclass(frozen=True)
@@ -66,16 +71,20 @@ class Sample:
 
 
 def unit_terms(spec: ModelSpec, hw: Hardware, shape: StepShape, *, tp: int = 1, dtype: str = "bf16",
-               kv_dtype: str | None = None, gemm_m_half: float = 16.0) -> dict[str, float]:
+               kv_dtype: str | None = None, gemm_m_half: float = 16.0,
+               small_gemms: bool = True) -> dict[str, float]:
     """The step model's terms at efficiency 1 (seconds), plus the fixed collective latency; the weights of
     one-row matmuls (`gemv`) apart from the others' (`weights`), since a CPU streams them through another
-    kernel."""
+    kernel. With `small_gemms`, the FLOPs of small projections (`is_small_gemm`) go to `gemm_small`, without the
+    gemm_m_half ramp; without, they are GEMMs like the others."""
     peak = hw.peak(dtype)
     out = dict.fromkeys(_COLUMNS, 0.0)
     latency = 0.0
     for op in op_costs(spec, shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype):
         n = op.count
-        if op.flops:
+        if op.flops and small_gemms and is_small_gemm(op):
+            out["gemm_small"] += op.flops * n / peak
+        elif op.flops:
             g = op.gemm_rows / (op.gemm_rows + gemm_m_half) if op.gemm_rows else 1.0
             col = _ATTENTION_COLUMNS.get(op.name, "compute")
             out[col] += op.flops * n / (peak * g)
@@ -133,9 +142,12 @@ def fit_coefficients(spec: ModelSpec, hw: Hardware, samples: Sequence[Sample], *
     y = np.array([s.seconds for s in samples])
     jw, jg = _COLUMNS.index("weights"), _COLUMNS.index("gemv")
     best: tuple[float, Coefficients, float] | None = None
+    # Small projections get a rate of their own only when enough steps have them and enough have larger ones.
+    small = [unit_terms(spec, hw, s.shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype)["gemm_small"] > 0 for s in samples]
+    small_gemms = min(sum(small), len(small) - sum(small)) >= MIN_SMALL_GEMM_SAMPLES
     for m_half in M_HALF_GRID:
-        rows = [unit_terms(spec, hw, s.shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype, gemm_m_half=m_half)
-                for s in samples]
+        rows = [unit_terms(spec, hw, s.shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype, gemm_m_half=m_half,
+                           small_gemms=small_gemms) for s in samples]
         a = np.array([[r[c] for c in _COLUMNS] for r in rows])
         lat = np.array([r["comm_latency"] for r in rows])
         js = _COLUMNS.index("attn_small")
@@ -169,13 +181,15 @@ def fit_coefficients(spec: ModelSpec, hw: Hardware, samples: Sequence[Sample], *
         # A pass costs attn_m_half query rows at attention's rate: the ratio of the two fitted inverse rates.
         attn_m_half = c["attn_pass"] * attn_eff if "attn_pass" in present and "attn" in present else prior.attn_m_half
         small_scale = inv("attn_small", 0.0) / compute_eff if "attn_small" in present else prior.attn_small_eff_scale
+        gemm_small_scale = (inv("gemm_small", 0.0) / compute_eff if "gemm_small" in present
+                            else prior.gemm_small_eff_scale)
         weight_bw_eff = fixed.get("weight_bw_eff", inv("weights", prior.weight_bw_eff))
         gemv_speedup = held_gemv if held_gemv is not None else prior.gemv_speedup
         if held_gemv is None and "gemv" in present:
             gemv_speedup = float(np.clip(1.0 / (c["gemv"] * weight_bw_eff), *GEMV_SPEEDUP_RANGE))
         fitted = dataclasses.replace(
             prior, compute_eff=compute_eff, gemm_m_half=m_half, attn_eff_scale=attn_eff / compute_eff,
-            attn_m_half=attn_m_half, attn_small_eff_scale=small_scale,
+            attn_m_half=attn_m_half, attn_small_eff_scale=small_scale, gemm_small_eff_scale=gemm_small_scale,
             weight_bw_eff=weight_bw_eff, kv_bw_eff=inv("kv", prior.kv_bw_eff),
             comm_eff=inv("comm_bw", prior.comm_eff), step_overhead_s=c["step"], layer_overhead_s=0.0,
             seq_overhead_s=c["seq"], prefill_token_overhead_s=c["prefill_token"], gemv_speedup=gemv_speedup)

@@ -27,11 +27,17 @@ from planner.model_spec import ModelSpec
 # by the `attn_m_half` coefficient (0 for every catalog device; `jaxserve calibrate` fits it).
 ATTENTION_PASS = "attention_pass"
 # The query-key pairs of prefill chunks of at most this many rows are priced apart (`attention_small`), at their
-# own fitted efficiency where a profile has one (`attn_small_eff_scale` > 0): jaxserve's CPU attention kernel
-# takes exactly these chunks (`jaxserve.model.paged_attention.KERNEL_MAX_ROWS` is this constant), reading each key
-# once for all of a chunk's rows, while longer chunks run XLA's dots. Their passes stay with everyone's.
+# own fitted efficiency where a profile has one (`attn_small_eff_scale` > 0): a small chunk's work is one or a few
+# short tiles, whose fixed costs its few rows amortise less. Their passes stay with everyone's.
 SMALL_CHUNK_ROWS = 32
 ATTENTION_SMALL = "attention_small"
+# Projections of steps of at most this many tokens are priced apart where a profile says so
+# (`gemm_small_eff_scale` > 0): on a CPU jaxserve runs them in its own matmul kernel
+# (`jaxserve.model.cpu_matmul.MAX_ROWS` is this constant), whose FLOP rate does not ramp with the rows the way a
+# GEMM library's does; from there on XLA's GEMM takes them. The LM head stays with XLA.
+SMALL_GEMM_ROWS = 32
+LM_HEAD = "lm_head"
+
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,11 @@ class OpCost:
     count: int = 1  # layers this op repeats over
     gemm_rows: float = 0  # M of the matmul (0: not a GEMM, e.g. attention)
     allgather: bool = False
+
+
+def is_small_gemm(op: OpCost) -> bool:
+    """Whether `op` is a projection of at most SMALL_GEMM_ROWS rows (the kernel's, where a profile prices it)."""
+    return 0 < op.gemm_rows <= SMALL_GEMM_ROWS and op.name != LM_HEAD
 
 
 def expected_experts(num_experts: int, k: int, tokens: float) -> float:
@@ -190,7 +201,7 @@ def op_costs(spec: ModelSpec, shape: StepShape, *, tp: int = 1, dtype: str = "bf
     ops.append(OpCost("embedding", weight_bytes=min(T, spec.vocab_size) * h * bw / tp, act_bytes=T * h * ba,
                       comm_bytes=T * h * ba * ar, collectives=ar))
     V = spec.vocab_size
-    ops.append(OpCost("lm_head", flops=2 * S * h * V / tp, weight_bytes=h * V * bw / tp + h * bw,  # + final norm
+    ops.append(OpCost(LM_HEAD, flops=2 * S * h * V / tp, weight_bytes=h * V * bw / tp + h * bw,  # + final norm
                       act_bytes=S * (h + V / tp) * 4,
                       comm_bytes=S * V * 4 * ar, collectives=ar, gemm_rows=S, allgather=True))
     ops.append(OpCost("sampling", flops=8 * S * V, act_bytes=3 * S * V * 4))
@@ -262,8 +273,11 @@ def time_ops(ops: Sequence[OpCost], spec: ModelSpec, shape: StepShape, hw: Hardw
         flops += op.flops * n
         nbytes += (op.weight_bytes + op.kv_bytes + op.act_bytes) * n
         if op.flops:
-            eff = c.compute_eff * (op.gemm_rows / (op.gemm_rows + c.gemm_m_half) if op.gemm_rows else 1.0)
-            eff *= attn_scale.get(op.name, 1.0)
+            if c.gemm_small_eff_scale > 0 and is_small_gemm(op):
+                eff = c.compute_eff * c.gemm_small_eff_scale
+            else:
+                eff = c.compute_eff * (op.gemm_rows / (op.gemm_rows + c.gemm_m_half) if op.gemm_rows else 1.0)
+                eff *= attn_scale.get(op.name, 1.0)
             compute += op.flops * n / (peak * eff)
         w_eff = c.weight_bw_eff * (c.gemv_speedup if op.gemm_rows == 1 else 1.0)
         weight += (op.weight_bytes + op.act_bytes) * n / (hw.memory_bw * w_eff)

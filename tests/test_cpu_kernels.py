@@ -1,7 +1,9 @@
-"""The C++ CPU attention kernel: built once per machine, used by single-device engines, and optional.
+"""jaxserve's C++ CPU kernels (attention, few-row matmuls): built once per machine, used by single-device
+engines, and optional.
 
-Its numbers are checked against a dense reference in tests/test_paged_attention.py (decode_mode "kernel") and,
-end to end, by every engine test: `tiny` engines attend through it.
+Attention is checked against a dense reference in tests/test_paged_attention.py (decode_mode "kernel"), the
+matmul against numpy in tests/test_model_linear.py, and both end to end by every engine test: `tiny` engines run
+through them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from click.testing import CliRunner
 
 from jaxserve import LLM
 from jaxserve.engine_args import config_from_options, engine_options
-from jaxserve.model import cpu_attention
+from jaxserve.model import cpu_attention, cpu_kernels, cpu_matmul
 from jaxserve.model_runner import _trash_prefill
 from tests.conftest import TINY_ENGINE_ARGS
 
@@ -26,35 +28,46 @@ def forward_hlo(llm: LLM, num_tokens: int = 8) -> str:
                                                  runner._device_inputs(batch, num_tokens), runner._no_prev).as_text()
 
 
-def test_a_built_kernel_is_reused(tmp_path):
-    first = cpu_attention.build(tmp_path)
+def test_a_built_library_is_reused(tmp_path):
+    first = cpu_kernels.build(tmp_path)
     stamp = os.stat(first).st_mtime_ns
-    assert cpu_attention.build(tmp_path) == first and os.stat(first).st_mtime_ns == stamp
+    assert cpu_kernels.build(tmp_path) == first and os.stat(first).st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left behind
 
 
-def test_single_device_engines_attend_in_the_kernel(tiny_llm):
-    assert cpu_attention.TARGET in forward_hlo(tiny_llm)
+def test_single_device_engines_run_in_the_kernels(tiny_llm):
+    few_rows = forward_hlo(tiny_llm, num_tokens=8)
+    assert cpu_attention.TARGET in few_rows and cpu_matmul.TARGET in few_rows
+    # Wider steps keep XLA's GEMMs, which catch up with the matmul kernel from ~64 rows.
+    wide = forward_hlo(tiny_llm, num_tokens=64)
+    assert cpu_attention.TARGET in wide and cpu_matmul.TARGET not in wide
 
 
-def test_the_kernel_can_be_turned_off():
-    llm = LLM(model="tiny", **TINY_ENGINE_ARGS, warmup=False, cpu_attention_kernel=False)
-    assert cpu_attention.TARGET not in forward_hlo(llm)
+def test_the_kernels_can_be_turned_off():
+    llm = LLM(model="tiny", **TINY_ENGINE_ARGS, warmup=False, cpu_kernels=False)
+    hlo = forward_hlo(llm)
+    assert cpu_attention.TARGET not in hlo and cpu_matmul.TARGET not in hlo
 
 
-def test_without_a_compiler_attention_stays_in_jnp(monkeypatch, caplog, tmp_path):
+def test_without_a_compiler_the_model_stays_in_xla(monkeypatch, caplog, tmp_path):
     def no_compiler() -> str:
         raise FileNotFoundError("no C++ compiler (c++, g++ or clang++) on PATH")
 
-    monkeypatch.setattr(cpu_attention, "_compiler", no_compiler)
-    assert not cpu_attention.load(tmp_path)
-    assert "CPU attention kernel unavailable (no C++ compiler" in caplog.text
-    monkeypatch.setattr(cpu_attention, "available", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "_compiler", no_compiler)
+    assert not cpu_kernels.load(tmp_path)
+    assert "CPU kernels are unavailable (no C++ compiler" in caplog.text
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     llm = LLM(model="tiny", **TINY_ENGINE_ARGS, warmup=False)
-    assert cpu_attention.TARGET not in forward_hlo(llm)
+    hlo = forward_hlo(llm)
+    assert cpu_attention.TARGET not in hlo and cpu_matmul.TARGET not in hlo
 
 
-@pytest.mark.parametrize(("argv", "expected"), [([], True), (["--no-cpu-attention-kernel"], False)])
+def test_a_compile_error_is_reported_by_its_first_error_line():
+    stderr = "x.cc:3:5: error: 'foo' was not declared in this scope\n    3 |   foo();\n      |   ^~~"
+    assert cpu_kernels._first_error(stderr) == "x.cc:3:5: error: 'foo' was not declared in this scope"
+
+
+@pytest.mark.parametrize(("argv", "expected"), [([], True), (["--no-cpu-kernels"], False)])
 def test_the_cli_flag_reaches_the_engine_config(argv, expected):
     seen = []
 
@@ -65,4 +78,4 @@ def test_the_cli_flag_reaches_the_engine_config(argv, expected):
 
     result = CliRunner().invoke(command, argv)
     assert result.exit_code == 0, result.output
-    assert seen[0].cpu_attention_kernel is expected
+    assert seen[0].cpu_kernels is expected

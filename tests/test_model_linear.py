@@ -1,4 +1,5 @@
-"""The model's projections: the same products whichever CPU GEMM (Eigen or YNNPACK) a step's row count gets."""
+"""The model's projections: the same products whichever CPU matmul (jaxserve's kernel, Eigen or YNNPACK) a step's
+row count gets."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.model import cpu_kernels, cpu_matmul
 from jaxserve.model.llama import CPU_EIGEN_MAX_ROWS, RMSNorm, linear
 from jaxserve.model_runner import CPU_SEPARATE_DOTS_ABOVE, CPU_SEPARATE_DOTS_OPTIONS
 
@@ -19,6 +21,33 @@ def test_linear_is_a_matmul_over_the_leading_axis(rows: int) -> None:
     out = jax.jit(linear)(jnp.asarray(x), jnp.asarray(w))
     assert out.shape == (rows, 2, 48)
     np.testing.assert_allclose(np.asarray(out), np.einsum("th,hki->tki", x, w), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="jaxserve's CPU kernels are not built here")
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 24, cpu_matmul.MAX_ROWS])
+@pytest.mark.parametrize("inputs", [64, 37])  # whole row blocks of w (16 rows a sweep), and a short last block
+def test_the_matmul_kernel_is_a_matmul(rows: int, inputs: int) -> None:
+    """Up to MAX_ROWS rows (two passes of rows beyond 16, split evenly), output columns in 16-float vectors split
+    between threads, and a fused [in, 2, out] weight read as one matrix."""
+    rng = np.random.default_rng(rows * 100 + inputs)
+    x = rng.standard_normal((rows, inputs), dtype=np.float32)
+    w = rng.standard_normal((inputs, 2, 48), dtype=np.float32)
+    assert cpu_matmul.supports(jnp.asarray(x), jnp.asarray(w))
+    out = jax.jit(cpu_matmul.cpu_matmul)(jnp.asarray(x), jnp.asarray(w))
+    np.testing.assert_allclose(np.asarray(out), np.einsum("th,hki->tki", x, w), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="jaxserve's CPU kernels are not built here")
+def test_linear_gives_the_kernel_few_rows_and_whole_vectors_only() -> None:
+    w = jnp.ones((64, 96), jnp.float32)
+
+    def hlo(rows: int, w: jax.Array = w) -> str:
+        return jax.jit(lambda x, w: linear(x, w, cpu_kernel=True)).lower(jnp.ones((rows, 64)), w).as_text()
+
+    assert cpu_matmul.TARGET in hlo(1) and cpu_matmul.TARGET in hlo(cpu_matmul.MAX_ROWS)
+    assert cpu_matmul.TARGET not in hlo(cpu_matmul.MAX_ROWS + 1)
+    assert cpu_matmul.TARGET not in hlo(4, jnp.ones((64, 40), jnp.float32))  # 40 columns: not whole vectors
+    assert cpu_matmul.TARGET not in jax.jit(linear).lower(jnp.ones((4, 64)), w).as_text()  # not asked for
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the routing is a CPU one")

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxserve.model import cpu_attention
+from jaxserve.model import cpu_kernels
 from jaxserve.model.metadata import AttentionMetadata
 from jaxserve.model.paged_attention import (
     DEFAULT_Q_BLOCKS,
@@ -110,7 +110,7 @@ MODES = ["loop", "batched", "kernel"]
 def test_the_cpu_kernel_builds_here():
     """The machines CI and users run on have a C++ compiler: the kernel must build, or the tests below would
     silently test the jnp path twice."""
-    assert cpu_attention.available()
+    assert cpu_kernels.available()
 
 
 @pytest.mark.parametrize("decode_mode", MODES)

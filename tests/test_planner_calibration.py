@@ -172,3 +172,41 @@ def test_fit_learns_a_kernel_for_small_chunks_apart_from_the_long_ones():
     for new in (decode_shape(4, 300) + prefill_shape(4, 4092), prefill_shape(2048, 0)):
         assert step_time_shape(SMALL, hw, new, dtype="fp32").total_s == pytest.approx(
             step_time_shape(SMALL, measured_hw, new, dtype="fp32").total_s, rel=0.03)
+
+
+def test_small_projections_are_priced_like_other_gemms_until_a_profile_prices_them_apart():
+    """`gemm_small_eff_scale` moves steps of at most SMALL_GEMM_ROWS tokens only, and never the LM head's rows."""
+    legacy = Coefficients(compute_eff=0.6, gemm_m_half=16.0)
+    kernel = dataclasses.replace(legacy, gemm_small_eff_scale=0.5)
+    cpu = CATALOG["cpu"]
+
+    def step(coefficients, shape):
+        return step_time_shape(SMALL, dataclasses.replace(cpu, coefficients=coefficients), shape, dtype="fp32")
+
+    assert step(kernel, prefill_shape(64)).total_s == pytest.approx(step(legacy, prefill_shape(64)).total_s)
+    # 16 rows: the ramp gives 0.6 x 16/32 = 0.3 of peak, the kernel's flat rate 0.6 x 0.5 = 0.3 too
+    assert step(kernel, decode_shape(16, 100)).compute_s == pytest.approx(step(legacy, decode_shape(16, 100)).compute_s)
+    # 4 rows: the ramp gives 0.6 x 4/20 = 0.12, the kernel 0.3: the projections' FLOPs cost 2.5x less
+    assert step(kernel, decode_shape(4, 100)).compute_s < 0.7 * step(legacy, decode_shape(4, 100)).compute_s
+
+
+def test_fit_learns_the_small_matmul_kernel_apart_from_the_gemm_ramp():
+    """jaxserve's CPU matmul kernel runs the projections of steps of up to 32 tokens at a FLOP rate flat in the
+    rows, and XLA's GEMM (which ramps with gemm_m_half) the wider ones: the fit tells the two apart, so decode
+    steps of 8 and 24 requests and a 512-token prefill are all predicted from the calibration's shapes."""
+    truth = Coefficients(compute_eff=0.8, gemm_m_half=32.0, weight_bw_eff=0.7, kv_bw_eff=0.5,
+                         step_overhead_s=0.002, layer_overhead_s=0.0, seq_overhead_s=3e-4, gemm_small_eff_scale=0.45)
+    cpu = CATALOG["cpu"]
+    measured_hw = dataclasses.replace(cpu, coefficients=truth)
+    samples = [Sample(s, step_time_shape(SMALL, measured_hw, s, dtype="fp32").total_s) for s in shapes()]
+    fitted, err = fit_coefficients(SMALL, cpu, samples, dtype="fp32", fixed={"weight_bw_eff": 0.7})
+    assert err < 0.01
+    assert fitted.gemm_small_eff_scale * fitted.compute_eff == pytest.approx(0.36, rel=0.05)
+    hw = dataclasses.replace(cpu, coefficients=fitted)
+    for new in (decode_shape(8, 300), decode_shape(24, 300), prefill_shape(512, 0)):
+        assert step_time_shape(SMALL, hw, new, dtype="fp32").total_s == pytest.approx(
+            step_time_shape(SMALL, measured_hw, new, dtype="fp32").total_s, rel=0.02)
+    # With fewer than MIN_SMALL_GEMM_SAMPLES small steps the fit keeps one ramped rate for every GEMM.
+    few = [s for s in samples if s.shape.num_tokens > 32] + [s for s in samples if s.shape.num_tokens <= 32][:3]
+    legacy, _ = fit_coefficients(SMALL, cpu, few, dtype="fp32", fixed={"weight_bw_eff": 0.7})
+    assert legacy.gemm_small_eff_scale == 0.0

@@ -1,11 +1,10 @@
-"""The CPU paged-attention kernel (`cpu_attention.cc`): built once per machine, loaded and called through jax.ffi.
+"""jaxserve's C++ CPU kernels: built once per machine into one library, loaded and registered with XLA.
 
-XLA's CPU code for a few query rows against a long paged history runs at several times the KV read and on one
-core; the kernel reads each key once for all of a KV head's query rows and spreads (sequence, KV head) pairs over
-XLA's intra-op threads. It is compiled with the machine's C++ compiler on first use (a few seconds) into
-`~/.cache/jaxserve/kernels`, keyed by the source, the flags, the compiler, jaxlib and the CPU, because it is
-built for this CPU's instruction set. Where no compiler works, `available()` warns once and `paged_attention`
-keeps its jnp path.
+`cpu_attention.cc` (paged attention, `cpu_attention.py`) and `cpu_matmul.cc` (matmuls of a few rows,
+`cpu_matmul.py`) replace XLA's CPU code where it runs far below the machine's floors. They are compiled with the
+machine's C++ compiler on first use (a few seconds) into `~/.cache/jaxserve/kernels`, keyed by the sources, the
+flags, the compiler, jaxlib and the CPU, because they are built for this CPU's instruction set. Where no compiler
+works, `available()` warns once and the model keeps XLA's code.
 """
 
 from __future__ import annotations
@@ -22,20 +21,15 @@ import tempfile
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-
-from jaxserve.model.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_attention.cc")
-TARGET = "jaxserve_paged_attention"
-SYMBOL = "JaxservePagedAttention"
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.cc", "cpu_matmul.cc"))
+# XLA custom-call target -> the handler symbol the library exports for it
+TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention", "jaxserve_matmul": "JaxserveMatmul"}
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC") + (
     # x86 only: lets the auto-vectorised loops (the exponentials) use whole AVX-512 registers where there are some
     ("-mprefer-vector-width=512",) if platform.machine().lower() in ("x86_64", "amd64") else ())
-HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # the sizes `AttendAny` in cpu_attention.cc is built for
 CACHE_DIR = Path("~/.cache/jaxserve/kernels")
 
 
@@ -58,20 +52,20 @@ def _compiler() -> str:
 
 
 def build(cache_dir: Path = CACHE_DIR) -> Path:
-    """Compile the kernel for this machine unless a build with the same key exists; return the library's path."""
+    """Compile the kernels for this machine unless a build with the same key exists; return the library's path."""
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, jax.__version__,
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), " ".join(FLAGS), version, jax.__version__,
                                     _cpu_identity()]).encode()).hexdigest()[:16]
     cache_dir = cache_dir.expanduser()
-    lib = cache_dir / f"cpu_attention-{key}.so"
+    lib = cache_dir / f"cpu_kernels-{key}.so"
     if lib.exists():
         return lib
     cache_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
     os.close(fd)
     try:
-        subprocess.run([cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp],
+        subprocess.run([cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp],
                        capture_output=True, text=True, check=True)
         os.replace(tmp, lib)  # atomic: concurrent builders (test workers) each publish a whole library
     finally:
@@ -80,41 +74,27 @@ def build(cache_dir: Path = CACHE_DIR) -> Path:
     return lib
 
 
+def _first_error(stderr: str) -> str:
+    """The compiler's first error line (its last line is often a caret under source), else its last line."""
+    lines = stderr.strip().splitlines()
+    return next((line for line in lines if "error" in line), lines[-1] if lines else "")
+
+
 def load(cache_dir: Path = CACHE_DIR) -> bool:
-    """Build (or find) the kernel, load it and register it with XLA; False, with a warning, where it cannot be
-    built. Call it through `available()`: XLA refuses a second registration of the target from another build."""
+    """Build (or find) the kernels, load them and register them with XLA; False, with a warning, where they cannot
+    be built. Call it through `available()`: XLA refuses a second registration of a target from another build."""
     try:
         lib = ctypes.cdll.LoadLibrary(str(build(cache_dir)))
     except (OSError, subprocess.CalledProcessError) as e:
-        detail = e.stderr.strip().splitlines()[-1] if isinstance(e, subprocess.CalledProcessError) and e.stderr \
-            else str(e)
-        logger.warning("CPU attention kernel unavailable (%s); using the jnp attention", detail)
+        detail = _first_error(e.stderr) if isinstance(e, subprocess.CalledProcessError) and e.stderr else str(e)
+        logger.warning("jaxserve's CPU kernels are unavailable (%s); using XLA's attention and matmuls", detail)
         return False
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
+    for target, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return True
 
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernel is built and registered with XLA (tried once per process)."""
+    """Whether the kernels are built and registered with XLA (tried once per process)."""
     return load()
-
-
-def supports(q: jax.Array, k_cache: jax.Array) -> bool:
-    """Whether the kernel can take this call: float32 on a CPU, a head dimension it is built for."""
-    return (jax.default_backend() == "cpu" and q.dtype == jnp.float32 and k_cache.dtype == jnp.float32
-            and q.shape[-1] in HEAD_DIMS and available())
-
-
-def cpu_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata,
-                        scale: float, min_parallel_keys: int) -> jax.Array:
-    """Causal attention of every sequence of the ragged batch (q [T, H, D], float32); zeros for padded rows.
-
-    The kernel spreads its work over XLA's intra-op threads once the step's query rows x context reach
-    `min_parallel_keys`; below that, waking a second thread costs more than it saves.
-    """
-    if not available():
-        raise RuntimeError("the CPU attention kernel is not available on this machine (see the warning above)")
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    return call(q, k_cache, v_cache, meta.page_table, meta.kv_lens, meta.cu_q_lens, meta.num_seqs,
-                scale=np.float32(scale), min_parallel_keys=np.int64(min_parallel_keys))

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from jaxserve.model import cpu_matmul
 from jaxserve.model.metadata import AttentionMetadata
 from jaxserve.model.paged_attention import paged_attention, write_kv
 from jaxserve.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -59,16 +60,19 @@ def _normals(key: jax.Array, shapes_stds: tuple[tuple[tuple[int, ...], float], .
             for shape, std in shapes_stds]
 
 
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [T, in] times w [in, ...] -> [T, ...], on a CPU routed to the GEMM that is fastest for T rows.
+def linear(x: jax.Array, w: jax.Array, cpu_kernel: bool = False) -> jax.Array:
+    """x [T, in] times w [in, ...] -> [T, ...], on a CPU routed to the matmul that is fastest for T rows.
 
-    XLA's CPU backend gives dots to YNNPACK; on our CPU Eigen runs the 2-16-row GEMMs of decode steps faster
-    and YNNPACK the wider ones (`small`'s projections at 16 rows: 10.7 vs 14.4 ms, at 32: 21.9 vs 18.7; the
-    forward of 16 decodes 22.3 vs 24.3 ms, `python scripts/bench_forward_ab.py --batch 16 --eigen-max-rows 16,0`;
-    BUILD.md). YNNPACK declines a dot whose left operand is column-major, so for those row counts x goes in
-    transposed, behind an optimization barrier that keeps XLA from folding the transpose back into the dot.
+    With `cpu_kernel`, float32 steps of up to `cpu_matmul.MAX_ROWS` rows go to jaxserve's C++ kernel, which
+    streams w at the memory's rate where XLA's dots fell to a fraction of it (BUILD.md, "Skinny matmuls on a
+    CPU"). Otherwise XLA's CPU backend gives dots to YNNPACK, and Eigen runs the 2-16-row GEMMs of decode steps
+    faster (`small`'s projections at 16 rows: 10.7 vs 14.4 ms, at 32: 21.9 vs 18.7; BUILD.md). YNNPACK declines a
+    dot whose left operand is column-major, so for those row counts x goes in transposed, behind an optimization
+    barrier that keeps XLA from folding the transpose back into the dot.
     """
     t = x.shape[0]
+    if cpu_kernel and cpu_matmul.supports(x, w):
+        return cpu_matmul.cpu_matmul(x, w)
     if 2 <= t <= CPU_EIGEN_MAX_ROWS and jax.default_backend() == "cpu":
         return lax.dot_general(lax.optimization_barrier(x.T), w, (((0,), (0,)), ((), ())))
     return lax.dot_general(x, w, (((1,), (0,)), ((), ())))
@@ -108,7 +112,8 @@ class Attention(nnx.Module):
                  meta: AttentionMetadata, cpu_kernel: bool = True) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         t = x.shape[0]
         w = self.qkv[...]
-        qkv = linear(x, w.reshape(w.shape[0], -1)).reshape(t, self.num_kv_heads, self.group + 2, self.head_dim)
+        qkv = linear(x, w.reshape(w.shape[0], -1), cpu_kernel)
+        qkv = qkv.reshape(t, self.num_kv_heads, self.group + 2, self.head_dim)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...]
         q = qkv[:, :, : self.group].reshape(t, self.num_heads, self.head_dim)
@@ -116,7 +121,7 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale, cpu_kernel=cpu_kernel)
-        return linear(o.reshape(t, -1), self.o[...]), (k_cache, v_cache)
+        return linear(o.reshape(t, -1), self.o[...], cpu_kernel), (k_cache, v_cache)
 
 
 class MLP(nnx.Module):
@@ -129,11 +134,11 @@ class MLP(nnx.Module):
         self.gate_up = nnx.Param(gate_up)
         self.down = nnx.Param(down)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, cpu_kernel: bool = False) -> jax.Array:
         # A dot over [hidden, 2, inter] rather than a reshaped matmul: merging the "2" axis with the
         # tp-sharded intermediate axis made XLA all-gather the weight every step under tensor parallelism.
-        gu = linear(x, self.gate_up[...])
-        return linear(jax.nn.silu(gu[:, 0]) * gu[:, 1], self.down[...])
+        gu = linear(x, self.gate_up[...], cpu_kernel)
+        return linear(jax.nn.silu(gu[:, 0]) * gu[:, 1], self.down[...], cpu_kernel)
 
 
 class DecoderLayer(nnx.Module):
@@ -149,7 +154,7 @@ class DecoderLayer(nnx.Module):
                  meta: AttentionMetadata, cpu_kernel: bool = True) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         a, kv = self.attn(self.input_norm(x), cos, sin, kv, meta, cpu_kernel)
         x = x + a
-        return x + self.mlp(self.post_attn_norm(x)), kv
+        return x + self.mlp(self.post_attn_norm(x), cpu_kernel), kv
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -181,8 +186,8 @@ class LlamaForCausalLM(nnx.Module):
                  meta: AttentionMetadata, *, cpu_kernel: bool = True) -> tuple[jax.Array, KVCaches]:
         """Run T tokens; returns the final-normed hidden states [T, hidden] and the updated caches.
 
-        `cpu_kernel=False` keeps attention in jnp even where the CPU kernel could run (a mesh of several devices:
-        XLA cannot split a custom call over them).
+        `cpu_kernel=False` keeps attention and matmuls in XLA even where jaxserve's CPU kernels could run (a mesh
+        of several devices: XLA cannot split a custom call over them).
         """
         x = jnp.take(self.embed[...], token_ids, axis=0)
         cos, sin = rope_cos_sin(positions, self.inv_freq)

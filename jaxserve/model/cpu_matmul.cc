@@ -1,0 +1,131 @@
+// y [M, N] = x [M, K] @ w [K, N] for the few rows of decode steps and small chunks on a CPU, as an XLA FFI
+// custom call.
+//
+// XLA's CPU dots (Eigen, YNNPACK) ran a decode step's 2-32-row projections far below the memory bandwidth that
+// streaming the weights once needs: `small`'s 48 matrices at 8 rows read 7-8 GB/s (see BUILD.md, "Skinny matmuls
+// on a CPU"). Here each thread takes a band of w's columns and walks it in blocks of kRowBlock rows of w: for
+// every 16 columns it accumulates up to kMaxRows rows of y in registers over the block, so w streams from memory
+// as kRowBlock sequential row segments (the prefetcher follows those; the next block's rows are prefetched into
+// L2 as the current one is read) and y stays in cache between blocks. More rows than kMaxRows take another pass.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float Vec __attribute__((vector_size(64)));
+typedef float UnalignedVec __attribute__((vector_size(64), aligned(4)));
+constexpr int kLanes = 16;
+
+inline Vec Load(const float* p) { return *reinterpret_cast<const UnalignedVec*>(p); }
+inline void Store(float* p, Vec v) { *reinterpret_cast<UnalignedVec*>(p) = v; }
+
+constexpr int kRowBlock = 16;  // rows of w per sweep over a band (more streams than this slowed `small`'s)
+constexpr int kMaxRows = 16;   // rows of y a pass keeps in registers
+
+struct Problem {
+  const float* x;
+  const float* w;
+  float* y;
+  int64_t m, k, n;
+};
+
+// Rows [m0, m0 + MB) of y, columns [c0, c1) (a multiple of kLanes wide), for rows [k0, k0 + kb) of w, added to
+// what y holds unless k0 is 0.
+template <int MB>
+inline void Sweep(const Problem& p, int64_t m0, int64_t c0, int64_t c1, int64_t k0, int kb) {
+  const float* x = p.x + m0 * p.k + k0;
+  float* y = p.y + m0 * p.n;
+  const bool prefetch = k0 + 2 * kRowBlock <= p.k;
+  for (int64_t c = c0; c < c1; c += kLanes) {
+    Vec acc[MB];
+    for (int i = 0; i < MB; ++i) acc[i] = k0 ? Load(y + i * p.n + c) : Vec{};
+    const float* w = p.w + k0 * p.n + c;
+    for (int r = 0; r < kb; ++r) {
+      if (prefetch) __builtin_prefetch(w + (r + kRowBlock) * p.n, 0, 2);
+      const Vec wv = Load(w + r * p.n);
+      for (int i = 0; i < MB; ++i) acc[i] += x[i * p.k + r] * wv;
+    }
+    for (int i = 0; i < MB; ++i) Store(y + i * p.n + c, acc[i]);
+  }
+}
+
+template <int MB>
+void Band(const Problem& p, int64_t m0, int64_t c0, int64_t c1) {
+  for (int64_t k0 = 0; k0 < p.k; k0 += kRowBlock) {
+    Sweep<MB>(p, m0, c0, c1, k0, static_cast<int>(std::min<int64_t>(kRowBlock, p.k - k0)));
+  }
+}
+
+void BandAny(const Problem& p, int rows, int64_t m0, int64_t c0, int64_t c1) {
+  switch (rows) {
+#define JAXSERVE_ROWS(n) \
+  case n:                \
+    return Band<n>(p, m0, c0, c1);
+    JAXSERVE_ROWS(1) JAXSERVE_ROWS(2) JAXSERVE_ROWS(3) JAXSERVE_ROWS(4) JAXSERVE_ROWS(5) JAXSERVE_ROWS(6)
+    JAXSERVE_ROWS(7) JAXSERVE_ROWS(8) JAXSERVE_ROWS(9) JAXSERVE_ROWS(10) JAXSERVE_ROWS(11) JAXSERVE_ROWS(12)
+    JAXSERVE_ROWS(13) JAXSERVE_ROWS(14) JAXSERVE_ROWS(15) JAXSERVE_ROWS(16)
+#undef JAXSERVE_ROWS
+    default:
+      return;
+  }
+}
+
+// Column bands shared by the calling thread and the pool's, claimed one at a time.
+struct Work {
+  Problem problem;
+  int bands = 0;
+  std::atomic<int> next{0};
+  std::atomic<int> done{0};
+
+  void Run() {
+    const Problem& p = problem;
+    const int64_t vectors = p.n / kLanes;
+    const int passes = static_cast<int>((p.m + kMaxRows - 1) / kMaxRows);
+    for (int b = next.fetch_add(1); b < bands; b = next.fetch_add(1)) {
+      const int64_t c0 = vectors * b / bands * kLanes, c1 = vectors * (b + 1) / bands * kLanes;
+      for (int i = 0; i < passes; ++i) {  // near-equal passes: 24 rows are two of 12, not 16 and 8
+        const int64_t m0 = p.m * i / passes, m1 = p.m * (i + 1) / passes;
+        BandAny(p, static_cast<int>(m1 - m0), m0, c0, c1);
+      }
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0]) {
+    return ffi::Error::InvalidArgument("matmul: x must be [M, K] and w [K, N]");
+  }
+  if (wd[1] % kLanes != 0) return ffi::Error::InvalidArgument("matmul: N must be a multiple of 16");
+  auto work = std::make_shared<Work>();
+  work->problem = Problem{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[1]};
+  if (xd[0] == 0 || wd[1] == 0) return ffi::Error::Success();
+  // One band a thread: a band's rows are long sequential reads, which more and narrower bands would cut up.
+  work->bands = static_cast<int>(std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), wd[1] / kLanes));
+  // A helper that starts after the work is gone finds nothing to claim; it holds `work` alive, so the caller
+  // waits only for the bands, never for the helpers themselves.
+  for (int i = 0; i < work->bands - 1; ++i) pool.Schedule([work] { work->Run(); });
+  work->Run();
+  while (work->done.load(std::memory_order_acquire) < work->bands) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmul, MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

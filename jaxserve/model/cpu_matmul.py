@@ -1,0 +1,36 @@
+"""Matmuls of a few rows on a CPU (`cpu_matmul.cc`), called through jax.ffi.
+
+A decode step's projections are x [T, in] @ w [in, out] with T the number of decodes: reading w once is the
+floor, and XLA's CPU dots ran them at a fraction of it (`small`'s 48 matrices at 8 rows: 37 ms against 17 ms for
+the kernel, 14 ms to stream the bytes; BUILD.md, "Skinny matmuls on a CPU"). From MAX_ROWS rows on, XLA's GEMM
+(YNNPACK) is as fast or faster and keeps them. Built with the other CPU kernels (`cpu_kernels`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.model import cpu_kernels
+
+TARGET = "jaxserve_matmul"
+# Rows up to which the kernel beats XLA's dots on `small`'s matrices (32 rows: 49 vs 67 ms for all 48; 64 rows:
+# 94 vs 67; BUILD.md).
+MAX_ROWS = 32
+
+
+def supports(x: jax.Array, w: jax.Array) -> bool:
+    """Whether the kernel can take x [T, in] @ w [in, ...]: float32 on a CPU, at most MAX_ROWS rows, whole
+    16-float vectors of output columns."""
+    out = w.size // max(1, w.shape[0])
+    return (jax.default_backend() == "cpu" and x.dtype == jnp.float32 and w.dtype == jnp.float32
+            and x.ndim == 2 and 1 <= x.shape[0] <= MAX_ROWS and out % 16 == 0 and cpu_kernels.available())
+
+
+def cpu_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [T, in] @ w [in, ...] -> [T, ...] (float32), w read as the [in, out] matrix it is in memory."""
+    if not cpu_kernels.available():
+        raise RuntimeError("jaxserve's CPU kernels are not available on this machine (see the warning above)")
+    w2 = w.reshape(w.shape[0], -1)
+    y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w2.shape[1]), jnp.float32))(x, w2)
+    return y.reshape(x.shape[0], *w.shape[1:])
