@@ -168,7 +168,7 @@ class ModelRunner:
 
     def _sample_impl(self, param_leaves, hidden_rows, temperature, top_k, top_p, min_p, seed, step, want_logprobs):
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._param_tree, param_leaves))
-        logits = model.compute_logits(hidden_rows[: temperature.shape[0]])
+        logits = model.compute_logits(hidden_rows[: temperature.shape[0]], cpu_kernel=self.cpu_kernels)
         tokens, *rest = sample_tokens(logits, temperature, top_k, top_p, min_p, seed, step, want_logprobs)
         return (jnp.zeros(self.max_sampled, jnp.int32).at[: tokens.shape[0]].set(tokens), *rest)
 

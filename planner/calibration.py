@@ -12,8 +12,8 @@ where `compute0` (GEMMs), `attn0` (attention FLOPs), `pass0` (one query row over
 `small0` (the attention FLOPs of chunks of at most SMALL_CHUNK_ROWS rows, at a rate of its own: a few rows
 amortise the kernel's per-tile costs less; their passes stay in `pass0`, where the many
 small chunks a calibration measures pin `attn_m_half` for all), `weights0` (matmuls of two rows or more),
-`gemm_small0` (the FLOPs of projections of steps of at most SMALL_GEMM_ROWS tokens, which jaxserve's CPU
-matmul kernel runs at a rate flat in the rows; the other GEMMs' FLOPs, in `compute0`, ramp with gemm_m_half),
+`gemm_small0` (the FLOPs of GEMMs of at most SMALL_GEMM_ROWS rows, which jaxserve's CPU matmul kernel runs at
+a rate flat in the rows; the other GEMMs' FLOPs, in `compute0`, ramp with gemm_m_half),
 `gemv0` (one-row matmuls), `kv0`, `comm_bw0` are the model's terms at efficiency 1 (`unit_terms`). Attention has
 its own efficiency: on a CPU the jnp paged attention runs far below the GEMMs, and sharing one efficiency made
 the fit trade long-context (chunked) steps against short prefills, over-predicting the latter by ~20%. Its
@@ -42,6 +42,7 @@ from planner.model_spec import ModelSpec
 from planner.step_model import (
     ATTENTION_PASS,
     ATTENTION_SMALL,
+    SMALL_GEMM_ROWS,
     StepShape,
     _collective_s,
     is_small_gemm,
@@ -57,7 +58,7 @@ _ATTENTION_COLUMNS = {"attention": "attn", ATTENTION_PASS: "attn_pass", ATTENTIO
 # Steps with small chunks (SMALL_CHUNK_ROWS) needed before their pairs get their own efficiency: with one or two,
 # the free column would absorb those steps whole and loosen the GEMM terms they also pin.
 MIN_SMALL_CHUNK_SAMPLES = 4
-# Likewise steps with small projections (SMALL_GEMM_ROWS) and steps with larger ones, before the two get rates apart.
+# Likewise steps with small GEMMs (SMALL_GEMM_ROWS) and steps with larger ones, before the two get rates apart.
 MIN_SMALL_GEMM_SAMPLES = 4
 GEMV_SPEEDUP_RANGE = (0.5, 3.0)  # what a fitted one-row rate may be, relative to the multi-row one
 
@@ -75,7 +76,7 @@ def unit_terms(spec: ModelSpec, hw: Hardware, shape: StepShape, *, tp: int = 1, 
                small_gemms: bool = True) -> dict[str, float]:
     """The step model's terms at efficiency 1 (seconds), plus the fixed collective latency; the weights of
     one-row matmuls (`gemv`) apart from the others' (`weights`), since a CPU streams them through another
-    kernel. With `small_gemms`, the FLOPs of small projections (`is_small_gemm`) go to `gemm_small`, without the
+    kernel. With `small_gemms`, the FLOPs of small GEMMs (`is_small_gemm`) go to `gemm_small`, without the
     gemm_m_half ramp; without, they are GEMMs like the others."""
     peak = hw.peak(dtype)
     out = dict.fromkeys(_COLUMNS, 0.0)
@@ -142,9 +143,10 @@ def fit_coefficients(spec: ModelSpec, hw: Hardware, samples: Sequence[Sample], *
     y = np.array([s.seconds for s in samples])
     jw, jg = _COLUMNS.index("weights"), _COLUMNS.index("gemv")
     best: tuple[float, Coefficients, float] | None = None
-    # Small projections get a rate of their own only when enough steps have them and enough have larger ones.
-    small = [unit_terms(spec, hw, s.shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype)["gemm_small"] > 0 for s in samples]
-    small_gemms = min(sum(small), len(small) - sum(small)) >= MIN_SMALL_GEMM_SAMPLES
+    # Small GEMMs get a rate of their own only when enough steps have some and enough have larger ones.
+    ops = [op_costs(spec, s.shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype) for s in samples]
+    small_gemms = min(sum(any(is_small_gemm(op) for op in o) for o in ops),
+                      sum(any(op.gemm_rows > SMALL_GEMM_ROWS for op in o) for o in ops)) >= MIN_SMALL_GEMM_SAMPLES
     for m_half in M_HALF_GRID:
         rows = [unit_terms(spec, hw, s.shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype, gemm_m_half=m_half,
                            small_gemms=small_gemms) for s in samples]

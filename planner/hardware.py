@@ -44,8 +44,8 @@ class Coefficients:
     # Chunks of at most SMALL_CHUNK_ROWS rows (planner/step_model.py): their pairs' attention efficiency relative
     # to compute_eff; 0: priced like every other chunk's (attn_eff_scale).
     attn_small_eff_scale: float = 0.0
-    # Projections (every GEMM but the LM head's) of at most SMALL_GEMM_ROWS rows: their FLOP efficiency relative
-    # to compute_eff, flat in the rows (no gemm_m_half ramp); 0: priced as every other GEMM.
+    # GEMMs of at most SMALL_GEMM_ROWS rows: their FLOP efficiency relative to compute_eff, flat in the rows (no
+    # gemm_m_half ramp); 0: priced as every other GEMM.
     gemm_small_eff_scale: float = 0.0
     gemv_speedup: float = 1.0  # weight-read rate of a one-row matmul (GEMV) over a multi-row one's
 
@@ -70,9 +70,9 @@ COEFFICIENT_DOCS: dict[str, str] = {
                    "over long histories are far below the FLOP rate",
     "attn_small_eff_scale": "attention FLOP efficiency, as a fraction of compute_eff, of prefill chunks of at most "
                             "32 rows; 0: priced as every other chunk",
-    "gemm_small_eff_scale": "FLOP efficiency, as a fraction of compute_eff and without the gemm_m_half ramp, of the "
-                            "projections of steps of at most 32 tokens (jaxserve's CPU matmul kernel takes them); "
-                            "0: priced as every other GEMM",
+    "gemm_small_eff_scale": "FLOP efficiency, as a fraction of compute_eff and without the gemm_m_half ramp, of "
+                            "GEMMs of at most 32 rows (jaxserve's CPU matmul kernel takes them); 0: priced as every "
+                            "other GEMM",
     "gemv_speedup": "weight-read rate of a one-row matmul over that of a few-row one (weight_bw_eff's): a CPU "
                     "runs one row through a GEMV kernel that streams ~1.3x faster than its 2-16-row GEMMs; calibrate "
                     "fits it from one-decode steps; 1 on GPUs unless calibrated",

@@ -31,12 +31,11 @@ ATTENTION_PASS = "attention_pass"
 # short tiles, whose fixed costs its few rows amortise less. Their passes stay with everyone's.
 SMALL_CHUNK_ROWS = 32
 ATTENTION_SMALL = "attention_small"
-# Projections of steps of at most this many tokens are priced apart where a profile says so
-# (`gemm_small_eff_scale` > 0): on a CPU jaxserve runs them in its own matmul kernel
-# (`jaxserve.model.cpu_matmul.MAX_ROWS` is this constant), whose FLOP rate does not ramp with the rows the way a
-# GEMM library's does; from there on XLA's GEMM takes them. The LM head stays with XLA.
+# GEMMs of at most this many rows (the projections of steps of at most this many tokens, the LM head of at most
+# this many sequences) are priced apart where a profile says so (`gemm_small_eff_scale` > 0): on a CPU jaxserve
+# runs them in its own matmul kernel (`jaxserve.model.cpu_matmul.MAX_ROWS` is this constant), whose FLOP rate does
+# not ramp with the rows the way a GEMM library's does; from there on XLA's GEMM takes them.
 SMALL_GEMM_ROWS = 32
-LM_HEAD = "lm_head"
 
 
 
@@ -111,8 +110,8 @@ class OpCost:
 
 
 def is_small_gemm(op: OpCost) -> bool:
-    """Whether `op` is a projection of at most SMALL_GEMM_ROWS rows (the kernel's, where a profile prices it)."""
-    return 0 < op.gemm_rows <= SMALL_GEMM_ROWS and op.name != LM_HEAD
+    """Whether `op` is a GEMM of at most SMALL_GEMM_ROWS rows (the kernel's, where a profile prices it)."""
+    return 0 < op.gemm_rows <= SMALL_GEMM_ROWS
 
 
 def expected_experts(num_experts: int, k: int, tokens: float) -> float:
@@ -201,7 +200,7 @@ def op_costs(spec: ModelSpec, shape: StepShape, *, tp: int = 1, dtype: str = "bf
     ops.append(OpCost("embedding", weight_bytes=min(T, spec.vocab_size) * h * bw / tp, act_bytes=T * h * ba,
                       comm_bytes=T * h * ba * ar, collectives=ar))
     V = spec.vocab_size
-    ops.append(OpCost(LM_HEAD, flops=2 * S * h * V / tp, weight_bytes=h * V * bw / tp + h * bw,  # + final norm
+    ops.append(OpCost("lm_head", flops=2 * S * h * V / tp, weight_bytes=h * V * bw / tp + h * bw,  # + final norm
                       act_bytes=S * (h + V / tp) * 4,
                       comm_bytes=S * V * 4 * ar, collectives=ar, gemm_rows=S, allgather=True))
     ops.append(OpCost("sampling", flops=8 * S * V, act_bytes=3 * S * V * 4))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 
 import click
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -41,6 +43,15 @@ def test_single_device_engines_run_in_the_kernels(tiny_llm):
     # Wider steps keep XLA's GEMMs, which catch up with the matmul kernel from ~64 rows.
     wide = forward_hlo(tiny_llm, num_tokens=64)
     assert cpu_attention.TARGET in wide and cpu_matmul.TARGET not in wide
+
+
+def test_a_tied_lm_head_reads_the_embedding_through_the_kernel(tiny_llm):
+    runner = tiny_llm.engine.runner
+    rows = jnp.ones((runner.max_sampled, tiny_llm.engine.spec.hidden_size), jnp.float32)
+    f = jnp.zeros(4, jnp.float32)
+    i = jnp.zeros(4, jnp.int32)
+    hlo = runner._sample.lower(runner.param_leaves, rows, f, i, f, f, i, i, np.bool_(False)).as_text()
+    assert cpu_matmul.TARGET_NT in hlo
 
 
 def test_the_kernels_can_be_turned_off():

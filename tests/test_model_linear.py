@@ -38,6 +38,20 @@ def test_the_matmul_kernel_is_a_matmul(rows: int, inputs: int) -> None:
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="jaxserve's CPU kernels are not built here")
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, cpu_matmul.MAX_ROWS])
+def test_the_transposed_matmul_kernel_is_a_matmul(rows: int) -> None:
+    """x @ w^T for a tied LM head: rows of x four at a time and a remainder, rows of w four at a time (40: ten
+    groups, split between threads)."""
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 64), dtype=np.float32)
+    w = rng.standard_normal((40, 64), dtype=np.float32)
+    assert cpu_matmul.supports_nt(jnp.asarray(x), jnp.asarray(w))
+    out = jax.jit(cpu_matmul.cpu_matmul_nt)(jnp.asarray(x), jnp.asarray(w))
+    np.testing.assert_allclose(np.asarray(out), x @ w.T, rtol=1e-5, atol=1e-4)
+    assert not cpu_matmul.supports_nt(jnp.asarray(x), jnp.ones((42, 64), jnp.float32))  # N not in fours
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="jaxserve's CPU kernels are not built here")
 def test_linear_gives_the_kernel_few_rows_and_whole_vectors_only() -> None:
     w = jnp.ones((64, 96), jnp.float32)
 

@@ -175,7 +175,7 @@ def test_fit_learns_a_kernel_for_small_chunks_apart_from_the_long_ones():
 
 
 def test_small_projections_are_priced_like_other_gemms_until_a_profile_prices_them_apart():
-    """`gemm_small_eff_scale` moves steps of at most SMALL_GEMM_ROWS tokens only, and never the LM head's rows."""
+    """`gemm_small_eff_scale` moves the GEMMs of at most SMALL_GEMM_ROWS rows only."""
     legacy = Coefficients(compute_eff=0.6, gemm_m_half=16.0)
     kernel = dataclasses.replace(legacy, gemm_small_eff_scale=0.5)
     cpu = CATALOG["cpu"]
@@ -183,7 +183,7 @@ def test_small_projections_are_priced_like_other_gemms_until_a_profile_prices_th
     def step(coefficients, shape):
         return step_time_shape(SMALL, dataclasses.replace(cpu, coefficients=coefficients), shape, dtype="fp32")
 
-    assert step(kernel, prefill_shape(64)).total_s == pytest.approx(step(legacy, prefill_shape(64)).total_s)
+    assert step(kernel, decode_shape(64, 100)).total_s == pytest.approx(step(legacy, decode_shape(64, 100)).total_s)
     # 16 rows: the ramp gives 0.6 x 16/32 = 0.3 of peak, the kernel's flat rate 0.6 x 0.5 = 0.3 too
     assert step(kernel, decode_shape(16, 100)).compute_s == pytest.approx(step(legacy, decode_shape(16, 100)).compute_s)
     # 4 rows: the ramp gives 0.6 x 4/20 = 0.12, the kernel 0.3: the projections' FLOPs cost 2.5x less
@@ -206,7 +206,7 @@ def test_fit_learns_the_small_matmul_kernel_apart_from_the_gemm_ramp():
     for new in (decode_shape(8, 300), decode_shape(24, 300), prefill_shape(512, 0)):
         assert step_time_shape(SMALL, hw, new, dtype="fp32").total_s == pytest.approx(
             step_time_shape(SMALL, measured_hw, new, dtype="fp32").total_s, rel=0.02)
-    # With fewer than MIN_SMALL_GEMM_SAMPLES small steps the fit keeps one ramped rate for every GEMM.
-    few = [s for s in samples if s.shape.num_tokens > 32] + [s for s in samples if s.shape.num_tokens <= 32][:3]
+    # With fewer than MIN_SMALL_GEMM_SAMPLES steps of larger GEMMs the fit keeps one ramped rate for every GEMM.
+    few = [s for s in samples if s.shape.num_tokens <= 32] + [s for s in samples if s.shape.num_tokens > 32][:3]
     legacy, _ = fit_coefficients(SMALL, cpu, few, dtype="fp32", fixed={"weight_bw_eff": 0.7})
     assert legacy.gemm_small_eff_scale == 0.0

@@ -1,5 +1,5 @@
-// y [M, N] = x [M, K] @ w [K, N] for the few rows of decode steps and small chunks on a CPU, as an XLA FFI
-// custom call.
+// y [M, N] = x [M, K] @ w [K, N] (JaxserveMatmul) and y = x @ w^T for w [N, K] (JaxserveMatmulNT, a tied LM
+// head's embedding) for the few rows of decode steps and small chunks on a CPU, as XLA FFI custom calls.
 //
 // XLA's CPU dots (Eigen, YNNPACK) ran a decode step's 2-32-row projections far below the memory bandwidth that
 // streaming the weights once needs: `small`'s 48 matrices at 8 rows read 7-8 GB/s (see BUILD.md, "Skinny matmuls
@@ -7,6 +7,8 @@
 // every 16 columns it accumulates up to kMaxRows rows of y in registers over the block, so w streams from memory
 // as kRowBlock sequential row segments (the prefetcher follows those; the next block's rows are prefetched into
 // L2 as the current one is read) and y stays in cache between blocks. More rows than kMaxRows take another pass.
+// For w^T each thread takes a band of w's rows and walks them four at a time, the rows of x a few at a time
+// against them (from L1), as 16-float partial dot products summed across lanes at the end of each row.
 
 #include <algorithm>
 #include <atomic>
@@ -26,6 +28,14 @@ constexpr int kLanes = 16;
 
 inline Vec Load(const float* p) { return *reinterpret_cast<const UnalignedVec*>(p); }
 inline void Store(float* p, Vec v) { *reinterpret_cast<UnalignedVec*>(p) = v; }
+
+inline float Sum(Vec v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
+}
 
 constexpr int kRowBlock = 16;  // rows of w per sweep over a band (more streams than this slowed `small`'s)
 constexpr int kMaxRows = 16;   // rows of y a pass keeps in registers
@@ -78,27 +88,81 @@ void BandAny(const Problem& p, int rows, int64_t m0, int64_t c0, int64_t c1) {
   }
 }
 
+// y[m, n] = x[m] . w[n] for rows [n0, n1) of w, MB rows of x at a time against 4 rows of w.
+template <int MB>
+inline void DotRows(const Problem& p, int64_t m0, int64_t n) {
+  const float* w = p.w + n * p.k;
+  Vec acc[MB][4];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = Vec{};
+  for (int64_t c = 0; c < p.k; c += kLanes) {
+    Vec wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = Load(w + j * p.k + c);
+    for (int i = 0; i < MB; ++i) {
+      const Vec xv = Load(p.x + (m0 + i) * p.k + c);
+      for (int j = 0; j < 4; ++j) acc[i][j] += xv * wv[j];
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < 4; ++j) p.y[(m0 + i) * p.n + n + j] = Sum(acc[i][j]);
+}
+
+constexpr int kDotRows = 4;  // rows of x a pass: 4 x 4 accumulators, 4 + 4 loads a step
+
+void DotBand(const Problem& p, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; n += 4) {
+    for (int64_t m0 = 0; m0 < p.m; m0 += kDotRows) {
+      switch (std::min<int64_t>(kDotRows, p.m - m0)) {
+        case 1: DotRows<1>(p, m0, n); break;
+        case 2: DotRows<2>(p, m0, n); break;
+        case 3: DotRows<3>(p, m0, n); break;
+        default: DotRows<4>(p, m0, n); break;
+      }
+    }
+  }
+}
+
 // Column bands shared by the calling thread and the pool's, claimed one at a time.
 struct Work {
   Problem problem;
+  bool transposed = false;  // w is [N, K]: bands of its rows (4 at a time), else of its columns (16 at a time)
   int bands = 0;
   std::atomic<int> next{0};
   std::atomic<int> done{0};
 
   void Run() {
     const Problem& p = problem;
-    const int64_t vectors = p.n / kLanes;
+    const int64_t unit = transposed ? 4 : kLanes;
+    const int64_t units = p.n / unit;
     const int passes = static_cast<int>((p.m + kMaxRows - 1) / kMaxRows);
     for (int b = next.fetch_add(1); b < bands; b = next.fetch_add(1)) {
-      const int64_t c0 = vectors * b / bands * kLanes, c1 = vectors * (b + 1) / bands * kLanes;
-      for (int i = 0; i < passes; ++i) {  // near-equal passes: 24 rows are two of 12, not 16 and 8
-        const int64_t m0 = p.m * i / passes, m1 = p.m * (i + 1) / passes;
-        BandAny(p, static_cast<int>(m1 - m0), m0, c0, c1);
+      const int64_t c0 = units * b / bands * unit, c1 = units * (b + 1) / bands * unit;
+      if (transposed) {
+        DotBand(p, c0, c1);
+      } else {
+        for (int i = 0; i < passes; ++i) {  // near-equal passes: 24 rows are two of 12, not 16 and 8
+          const int64_t m0 = p.m * i / passes, m1 = p.m * (i + 1) / passes;
+          BandAny(p, static_cast<int>(m1 - m0), m0, c0, c1);
+        }
       }
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
+
+ffi::Error Run(ffi::ThreadPool& pool, std::shared_ptr<Work> work) {
+  const Problem& p = work->problem;
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  // One band a thread: a band's rows are long sequential reads, which more and narrower bands would cut up.
+  work->bands = static_cast<int>(
+      std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), p.n / (work->transposed ? 4 : kLanes)));
+  // A helper that starts after the work is gone finds nothing to claim; it holds `work` alive, so the caller
+  // waits only for the bands, never for the helpers themselves.
+  for (int i = 0; i < work->bands - 1; ++i) pool.Schedule([work] { work->Run(); });
+  work->Run();
+  while (work->done.load(std::memory_order_acquire) < work->bands) std::this_thread::yield();
+  return ffi::Error::Success();
+}
 
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                       ffi::ResultBuffer<ffi::F32> y) {
@@ -110,20 +174,35 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (wd[1] % kLanes != 0) return ffi::Error::InvalidArgument("matmul: N must be a multiple of 16");
   auto work = std::make_shared<Work>();
   work->problem = Problem{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[1]};
-  if (xd[0] == 0 || wd[1] == 0) return ffi::Error::Success();
-  // One band a thread: a band's rows are long sequential reads, which more and narrower bands would cut up.
-  work->bands = static_cast<int>(std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), wd[1] / kLanes));
-  // A helper that starts after the work is gone finds nothing to claim; it holds `work` alive, so the caller
-  // waits only for the bands, never for the helpers themselves.
-  for (int i = 0; i < work->bands - 1; ++i) pool.Schedule([work] { work->Run(); });
-  work->Run();
-  while (work->done.load(std::memory_order_acquire) < work->bands) std::this_thread::yield();
-  return ffi::Error::Success();
+  return Run(pool, work);
+}
+
+ffi::Error MatmulNTImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                        ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
+    return ffi::Error::InvalidArgument("matmul_nt: x must be [M, K] and w [N, K]");
+  }
+  if (wd[1] % kLanes != 0 || wd[0] % 4 != 0) {
+    return ffi::Error::InvalidArgument("matmul_nt: K must be a multiple of 16 and N of 4");
+  }
+  auto work = std::make_shared<Work>();
+  work->problem = Problem{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[0]};
+  work->transposed = true;
+  return Run(pool, work);
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmul, MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulNT, MatmulNTImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

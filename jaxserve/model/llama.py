@@ -197,11 +197,15 @@ class LlamaForCausalLM(nnx.Module):
             new_caches.append(kv)
         return self.norm(x), new_caches
 
-    def compute_logits(self, hidden: jax.Array) -> jax.Array:
-        """Float32 logits [N, vocab] of hidden rows [N, hidden]."""
-        w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        logits = hidden @ w
-        return logits.astype(jnp.float32)
+    def compute_logits(self, hidden: jax.Array, cpu_kernel: bool = False) -> jax.Array:
+        """Float32 logits [N, vocab] of hidden rows [N, hidden]; `cpu_kernel` as in `__call__` (a tied head reads
+        the embedding in place through the kernel's x @ w^T: 2.7 against 3.7 ms at one row for `small`)."""
+        if self.lm_head is not None:
+            return linear(hidden, self.lm_head[...], cpu_kernel).astype(jnp.float32)
+        embed = self.embed[...]
+        if cpu_kernel and cpu_matmul.supports_nt(hidden, embed):
+            return cpu_matmul.cpu_matmul_nt(hidden, embed)
+        return (hidden @ embed.T).astype(jnp.float32)
 
 
 def init_kv_cache(spec: ModelSpec, num_pages: int, page_size: int,
