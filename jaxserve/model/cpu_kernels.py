@@ -25,6 +25,7 @@ import jax
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.cc", "cpu_matmul.cc"))
+HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # included by the sources: part of the build's key
 # XLA custom-call target -> the handler symbol the library exports for it
 TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention", "jaxserve_matmul": "JaxserveMatmul",
            "jaxserve_matmul_nt": "JaxserveMatmulNT"}
@@ -56,8 +57,8 @@ def build(cache_dir: Path = CACHE_DIR) -> Path:
     """Compile the kernels for this machine unless a build with the same key exists; return the library's path."""
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), " ".join(FLAGS), version, jax.__version__,
-                                    _cpu_identity()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES + HEADERS), " ".join(FLAGS), version,
+                                    jax.__version__, _cpu_identity()]).encode()).hexdigest()[:16]
     cache_dir = cache_dir.expanduser()
     lib = cache_dir / f"cpu_kernels-{key}.so"
     if lib.exists():

@@ -16,26 +16,18 @@
 #include <memory>
 #include <thread>
 
+#include "cpu_vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float Vec __attribute__((vector_size(64)));
-typedef float UnalignedVec __attribute__((vector_size(64), aligned(4)));
-constexpr int kLanes = 16;
-
-inline Vec Load(const float* p) { return *reinterpret_cast<const UnalignedVec*>(p); }
-inline void Store(float* p, Vec v) { *reinterpret_cast<UnalignedVec*>(p) = v; }
-
-inline float Sum(Vec v) {
-  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  return v[0];
-}
+using jaxserve::kLanes;
+using jaxserve::Load;
+using jaxserve::Store;
+using jaxserve::Sum;
+using jaxserve::Vec;
 
 constexpr int kRowBlock = 16;  // rows of w per sweep over a band (more streams than this slowed `small`'s)
 constexpr int kMaxRows = 16;   // rows of y a pass keeps in registers
