@@ -4,6 +4,7 @@ The additive step model is linear in the inverse efficiencies and the overheads:
 
     t = compute0 / compute_eff + (attn0 + attn_m_half * pass0) / (compute_eff * attn_eff_scale)
         + small0 / (compute_eff * attn_small_eff_scale) + gemm_small0 / (compute_eff * gemm_small_eff_scale)
+        + head_small0 / (compute_eff * head_small_eff_scale)
         + weights0 / weight_bw_eff + gemv0 / (weight_bw_eff * gemv_speedup)
         + kv0 / kv_bw_eff + comm_bw0 / comm_eff + comm_latency
         + step_overhead + S * seq_overhead + prefill_tokens * prefill_token_overhead
@@ -13,7 +14,9 @@ where `compute0` (GEMMs), `attn0` (attention FLOPs), `pass0` (one query row over
 amortise the kernel's per-tile costs less; their passes stay in `pass0`, where the many
 small chunks a calibration measures pin `attn_m_half` for all), `weights0` (matmuls of two rows or more),
 `gemm_small0` (the FLOPs of GEMMs of at most SMALL_GEMM_ROWS rows, which jaxserve's CPU matmul kernel runs at
-a rate flat in the rows; the other GEMMs' FLOPs, in `compute0`, ramp with gemm_m_half),
+a rate flat in the rows; the other GEMMs' FLOPs, in `compute0`, ramp with gemm_m_half), `head_small0` (the LM
+head's share of those: its kernel streams the embedding and adds little compute per row, so one rate for both
+made the fit trade the projections against the head and under-predict loaded steps by 16-28%),
 `gemv0` (one-row matmuls), `kv0`, `comm_bw0` are the model's terms at efficiency 1 (`unit_terms`). Attention has
 its own efficiency: on a CPU the jnp paged attention runs far below the GEMMs, and sharing one efficiency made
 the fit trade long-context (chunked) steps against short prefills, over-predicting the latter by ~20%. Its
@@ -42,6 +45,7 @@ from planner.model_spec import ModelSpec
 from planner.step_model import (
     ATTENTION_PASS,
     ATTENTION_SMALL,
+    LM_HEAD,
     SMALL_GEMM_ROWS,
     StepShape,
     _collective_s,
@@ -51,9 +55,9 @@ from planner.step_model import (
 )
 
 M_HALF_GRID = (0.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
-_COLUMNS = ("compute", "gemm_small", "attn", "attn_pass", "attn_small", "weights", "gemv", "kv", "comm_bw", "step",
-            "seq", "prefill_token")
-_EFF_COLUMNS = ("compute", "gemm_small", "attn", "attn_small", "weights", "kv", "comm_bw")
+_COLUMNS = ("compute", "gemm_small", "head_small", "attn", "attn_pass", "attn_small", "weights", "gemv", "kv",
+            "comm_bw", "step", "seq", "prefill_token")
+_EFF_COLUMNS = ("compute", "gemm_small", "head_small", "attn", "attn_small", "weights", "kv", "comm_bw")
 _ATTENTION_COLUMNS = {"attention": "attn", ATTENTION_PASS: "attn_pass", ATTENTION_SMALL: "attn_small"}
 # Steps with small chunks (SMALL_CHUNK_ROWS) needed before their pairs get their own efficiency: with one or two,
 # the free column would absorb those steps whole and loosen the GEMM terms they also pin.
@@ -84,7 +88,7 @@ def unit_terms(spec: ModelSpec, hw: Hardware, shape: StepShape, *, tp: int = 1, 
     for op in op_costs(spec, shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype):
         n = op.count
         if op.flops and small_gemms and is_small_gemm(op):
-            out["gemm_small"] += op.flops * n / peak
+            out["head_small" if op.name == LM_HEAD else "gemm_small"] += op.flops * n / peak
         elif op.flops:
             g = op.gemm_rows / (op.gemm_rows + gemm_m_half) if op.gemm_rows else 1.0
             col = _ATTENTION_COLUMNS.get(op.name, "compute")
@@ -147,10 +151,17 @@ def fit_coefficients(spec: ModelSpec, hw: Hardware, samples: Sequence[Sample], *
     ops = [op_costs(spec, s.shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype) for s in samples]
     small_gemms = min(sum(any(is_small_gemm(op) for op in o) for o in ops),
                       sum(any(op.gemm_rows > SMALL_GEMM_ROWS for op in o) for o in ops)) >= MIN_SMALL_GEMM_SAMPLES
+    # ... and the LM head's apart from the projections' only given steps whose head has fewer rows than their
+    # small projections (decode-only steps have as many of each, which no fit can tell apart).
+    small_head = small_gemms and sum(s.shape.num_seqs < s.shape.num_tokens <= SMALL_GEMM_ROWS
+                                     for s in samples) >= MIN_SMALL_GEMM_SAMPLES
     for m_half in M_HALF_GRID:
         rows = [unit_terms(spec, hw, s.shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype, gemm_m_half=m_half,
                            small_gemms=small_gemms) for s in samples]
         a = np.array([[r[c] for c in _COLUMNS] for r in rows])
+        if not small_head:
+            a[:, _COLUMNS.index("gemm_small")] += a[:, _COLUMNS.index("head_small")]
+            a[:, _COLUMNS.index("head_small")] = 0.0
         lat = np.array([r["comm_latency"] for r in rows])
         js = _COLUMNS.index("attn_small")
         if np.count_nonzero(a[:, js]) < MIN_SMALL_CHUNK_SAMPLES:  # too few to price apart: as other chunks
@@ -185,6 +196,8 @@ def fit_coefficients(spec: ModelSpec, hw: Hardware, samples: Sequence[Sample], *
         small_scale = inv("attn_small", 0.0) / compute_eff if "attn_small" in present else prior.attn_small_eff_scale
         gemm_small_scale = (inv("gemm_small", 0.0) / compute_eff if "gemm_small" in present
                             else prior.gemm_small_eff_scale)
+        head_small_scale = (inv("head_small", 0.0) / compute_eff if "head_small" in present
+                            else prior.head_small_eff_scale)
         weight_bw_eff = fixed.get("weight_bw_eff", inv("weights", prior.weight_bw_eff))
         gemv_speedup = held_gemv if held_gemv is not None else prior.gemv_speedup
         if held_gemv is None and "gemv" in present:
@@ -192,6 +205,7 @@ def fit_coefficients(spec: ModelSpec, hw: Hardware, samples: Sequence[Sample], *
         fitted = dataclasses.replace(
             prior, compute_eff=compute_eff, gemm_m_half=m_half, attn_eff_scale=attn_eff / compute_eff,
             attn_m_half=attn_m_half, attn_small_eff_scale=small_scale, gemm_small_eff_scale=gemm_small_scale,
+            head_small_eff_scale=head_small_scale,
             weight_bw_eff=weight_bw_eff, kv_bw_eff=inv("kv", prior.kv_bw_eff),
             comm_eff=inv("comm_bw", prior.comm_eff), step_overhead_s=c["step"], layer_overhead_s=0.0,
             seq_overhead_s=c["seq"], prefill_token_overhead_s=c["prefill_token"], gemv_speedup=gemv_speedup)

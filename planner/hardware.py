@@ -47,6 +47,8 @@ class Coefficients:
     # GEMMs of at most SMALL_GEMM_ROWS rows: their FLOP efficiency relative to compute_eff, flat in the rows (no
     # gemm_m_half ramp); 0: priced as every other GEMM.
     gemm_small_eff_scale: float = 0.0
+    # The LM head's GEMM of at most SMALL_GEMM_ROWS rows, the same way; 0: as the other small GEMMs.
+    head_small_eff_scale: float = 0.0
     gemv_speedup: float = 1.0  # weight-read rate of a one-row matmul (GEMV) over a multi-row one's
 
     def to_dict(self) -> dict[str, float]:
@@ -73,6 +75,8 @@ COEFFICIENT_DOCS: dict[str, str] = {
     "gemm_small_eff_scale": "FLOP efficiency, as a fraction of compute_eff and without the gemm_m_half ramp, of "
                             "GEMMs of at most 32 rows (jaxserve's CPU matmul kernel takes them); 0: priced as every "
                             "other GEMM",
+    "head_small_eff_scale": "the same for the LM head over at most 32 sequences (a memory-bound pass over the "
+                            "embedding whose FLOPs cost little on top); 0: as the other small GEMMs",
     "gemv_speedup": "weight-read rate of a one-row matmul over that of a few-row one (weight_bw_eff's): a CPU "
                     "runs one row through a GEMV kernel that streams ~1.3x faster than its 2-16-row GEMMs; calibrate "
                     "fits it from one-decode steps; 1 on GPUs unless calibrated",

@@ -36,6 +36,9 @@ ATTENTION_SMALL = "attention_small"
 # runs them in its own matmul kernel (`jaxserve.model.cpu_matmul.MAX_ROWS` is this constant), whose FLOP rate does
 # not ramp with the rows the way a GEMM library's does; from there on XLA's GEMM takes them.
 SMALL_GEMM_ROWS = 32
+# The LM head's op: on a CPU its kernel reads the embedding at the memory's rate and adds little compute per row,
+# unlike the projections', so a profile may price its small-row FLOPs apart (`head_small_eff_scale`).
+LM_HEAD = "lm_head"
 
 
 
@@ -200,7 +203,7 @@ def op_costs(spec: ModelSpec, shape: StepShape, *, tp: int = 1, dtype: str = "bf
     ops.append(OpCost("embedding", weight_bytes=min(T, spec.vocab_size) * h * bw / tp, act_bytes=T * h * ba,
                       comm_bytes=T * h * ba * ar, collectives=ar))
     V = spec.vocab_size
-    ops.append(OpCost("lm_head", flops=2 * S * h * V / tp, weight_bytes=h * V * bw / tp + h * bw,  # + final norm
+    ops.append(OpCost(LM_HEAD, flops=2 * S * h * V / tp, weight_bytes=h * V * bw / tp + h * bw,  # + final norm
                       act_bytes=S * (h + V / tp) * 4,
                       comm_bytes=S * V * 4 * ar, collectives=ar, gemm_rows=S, allgather=True))
     ops.append(OpCost("sampling", flops=8 * S * V, act_bytes=3 * S * V * 4))
@@ -273,7 +276,8 @@ def time_ops(ops: Sequence[OpCost], spec: ModelSpec, shape: StepShape, hw: Hardw
         nbytes += (op.weight_bytes + op.kv_bytes + op.act_bytes) * n
         if op.flops:
             if c.gemm_small_eff_scale > 0 and is_small_gemm(op):
-                eff = c.compute_eff * c.gemm_small_eff_scale
+                head = op.name == LM_HEAD and c.head_small_eff_scale > 0
+                eff = c.compute_eff * (c.head_small_eff_scale if head else c.gemm_small_eff_scale)
             else:
                 eff = c.compute_eff * (op.gemm_rows / (op.gemm_rows + c.gemm_m_half) if op.gemm_rows else 1.0)
                 eff *= attn_scale.get(op.name, 1.0)

@@ -210,3 +210,29 @@ def test_fit_learns_the_small_matmul_kernel_apart_from_the_gemm_ramp():
     few = [s for s in samples if s.shape.num_tokens <= 32] + [s for s in samples if s.shape.num_tokens > 32][:3]
     legacy, _ = fit_coefficients(SMALL, cpu, few, dtype="fp32", fixed={"weight_bw_eff": 0.7})
     assert legacy.gemm_small_eff_scale == 0.0
+
+
+def test_fit_learns_the_lm_head_kernel_apart_from_the_projections():
+    """The kernel's LM head streams the embedding and adds little compute per row, its projections add much
+    more: decode steps alone cannot tell the two apart (as many rows of each), steps with a small chunk beside
+    their decodes can, and the fit then predicts loaded mixtures of both."""
+    truth = Coefficients(compute_eff=0.8, gemm_m_half=32.0, weight_bw_eff=0.7, kv_bw_eff=0.5,
+                         step_overhead_s=0.002, layer_overhead_s=0.0, seq_overhead_s=3e-4,
+                         gemm_small_eff_scale=0.45, head_small_eff_scale=1.5)
+    cpu = CATALOG["cpu"]
+    measured_hw = dataclasses.replace(cpu, coefficients=truth)
+    mixed = [decode_shape(4, 200 + 40 * k) + prefill_shape(rows, 256 * k) for k in range(1, 5) for rows in (4, 16)]
+    samples = [Sample(s, step_time_shape(SMALL, measured_hw, s, dtype="fp32").total_s) for s in shapes() + mixed]
+    fitted, err = fit_coefficients(SMALL, cpu, samples, dtype="fp32", fixed={"weight_bw_eff": 0.7})
+    assert err < 0.01
+    assert fitted.head_small_eff_scale * fitted.compute_eff == pytest.approx(1.2, rel=0.05)
+    assert fitted.gemm_small_eff_scale * fitted.compute_eff == pytest.approx(0.36, rel=0.05)
+    hw = dataclasses.replace(cpu, coefficients=fitted)
+    for new in (decode_shape(12, 300), decode_shape(6, 300) + prefill_shape(20, 500)):
+        assert step_time_shape(SMALL, hw, new, dtype="fp32").total_s == pytest.approx(
+            step_time_shape(SMALL, measured_hw, new, dtype="fp32").total_s, rel=0.02)
+    # Without the small-chunk steps (one 16-token prefill is the only step with fewer head rows than projection
+    # rows), the head stays priced with the projections.
+    decodes_only, _ = fit_coefficients(SMALL, cpu, samples[: len(shapes())], dtype="fp32",
+                                       fixed={"weight_bw_eff": 0.7})
+    assert decodes_only.head_small_eff_scale == 0.0
