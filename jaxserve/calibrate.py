@@ -47,6 +47,11 @@ class CalibrationConfig:
     decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
     decode_contexts: tuple[int, ...] = (64, 512)
     decode_steps: int = 10
+    # Every decode point is measured in this many rounds over all of them, each a sample of its own: this VM's
+    # speed moves by 10-20% within seconds, and with one round, neighbouring points of one calibration differed
+    # by that much (`reports/small-s69`: one decode 19.3 ms at 70 tokens of context, 27.1 at 518), which moved the
+    # report's TPOT headline past its 10% limit.
+    decode_rounds: int = 3
     max_decode_prompt_tokens: int = 4096  # skip decode points whose prompts (batch x context) cost more
     mixed_decodes: int = 4
     mixed_prompt_len: int = 1024
@@ -66,7 +71,7 @@ class CalibrationConfig:
     @classmethod
     def quick(cls) -> CalibrationConfig:
         return cls(prefill_lens=(16, 32), decode_batches=(1, 4), decode_contexts=(16, 64), decode_steps=3,
-                   mixed_decodes=2, mixed_prompt_len=96, mixed_chunk=32, mixed_small_prompt_len=64,
+                   decode_rounds=1, mixed_decodes=2, mixed_prompt_len=96, mixed_chunk=32, mixed_small_prompt_len=64,
                    mixed_small_samples=2, gemm_rows=(1, 16, 64),
                    bandwidth_bytes=16 * 2**20, matmul_n=256, repeats=1)
 
@@ -264,8 +269,10 @@ def calibrate(engine, cfg: CalibrationConfig | None = None, progress: Progress |
                                                   if n <= budget and n < engine.max_model_len), cfg.repeats)
     points = [(b, c) for c in cfg.decode_contexts for b in cfg.decode_batches
               if b <= engine.config.max_num_seqs and b * c <= cfg.max_decode_prompt_tokens]
-    for k, (b, c) in enumerate(points):
-        say(f"engine decode steps: {b} seqs x {c} context", 0.3 + 0.5 * k / len(points))
+    rounds = [(r, b, c) for r in range(cfg.decode_rounds) for b, c in points]
+    for k, (r, b, c) in enumerate(rounds):
+        say(f"engine decode steps: {b} seqs x {c} context (round {r + 1} of {cfg.decode_rounds})",
+            0.3 + 0.5 * k / len(rounds))
         samples += measure_decode(engine, ids, b, c, cfg.decode_steps)
     say("engine mixed steps (chunked prefill beside decodes)", 0.8)
     prompt = min(cfg.mixed_prompt_len, engine.max_model_len - 1)
