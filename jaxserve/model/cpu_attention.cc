@@ -392,7 +392,8 @@ struct Work {
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
                               ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> page_table,
                               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> cu_q_lens,
-                              ffi::Buffer<ffi::S32> num_seqs, float scale, int64_t min_parallel_keys, ffi::ResultBuffer<ffi::F32> out) {
+                              ffi::Buffer<ffi::S32> num_seqs, float scale, int64_t min_parallel_keys,
+                              ffi::ResultBuffer<ffi::F32> out) {
   const auto q_dims = q.dimensions();
   const auto kv_dims = k_cache.dimensions();
   if (q_dims.size() != 3 || kv_dims.size() != 4 || page_table.dimensions().size() != 2) {

@@ -2,9 +2,10 @@
 // head's embedding) for the few rows of decode steps and small chunks on a CPU, as XLA FFI custom calls.
 //
 // XLA's CPU dots (Eigen, YNNPACK) ran a decode step's 2-32-row projections far below the memory bandwidth that
-// streaming the weights once needs: `small`'s 48 matrices at 8 rows read 7-8 GB/s (see BUILD.md, "Skinny matmuls
-// on a CPU"). Here each thread takes a band of w's columns and walks it in blocks of kRowBlock rows of w: for
-// every 16 columns it accumulates up to kMaxRows rows of y in registers over the block, so w streams from memory
+// streaming the weights once needs: `small`'s 48 matrices at 8 rows read 7-8 GB/s (see BUILD.md, "Whole-step
+// attention and few-row matmuls in C++"). Here each thread takes a band of w's columns and walks it in blocks of
+// kRowBlock rows of w: for every 16 columns it accumulates up to kMaxRows rows of y in registers over the block,
+// so w streams from memory
 // as kRowBlock sequential row segments (the prefetcher follows those; the next block's rows are prefetched into
 // L2 as the current one is read) and y stays in cache between blocks. More rows than kMaxRows take another pass.
 // For w^T each thread takes a band of w's rows and walks them four at a time, the rows of x a few at a time

@@ -1,9 +1,9 @@
 """Matmuls of a few rows on a CPU (`cpu_matmul.cc`), called through jax.ffi: x @ w, and x @ w^T for a tied LM head.
 
 A decode step's projections are x [T, in] @ w [in, out] with T the number of decodes: reading w once is the
-floor, and XLA's CPU dots ran them at a fraction of it (`small`'s 48 matrices at 8 rows: 37 ms against 17 ms for
-the kernel, 14 ms to stream the bytes; BUILD.md, "Skinny matmuls on a CPU"). From MAX_ROWS rows on, XLA's GEMM
-(YNNPACK) is as fast or faster and keeps them. Built with the other CPU kernels (`cpu_kernels`).
+floor, and XLA's CPU dots ran them at a fraction of it (`small`'s decode forward at 8 requests: 41.3 ms against
+21.3 with the kernel; BUILD.md, "Whole-step attention and few-row matmuls in C++"). From MAX_ROWS rows on, XLA's
+GEMM (YNNPACK) is as fast or faster and keeps them. Built with the other CPU kernels (`cpu_kernels`).
 """
 
 from __future__ import annotations

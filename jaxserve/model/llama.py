@@ -64,11 +64,11 @@ def linear(x: jax.Array, w: jax.Array, cpu_kernel: bool = False) -> jax.Array:
     """x [T, in] times w [in, ...] -> [T, ...], on a CPU routed to the matmul that is fastest for T rows.
 
     With `cpu_kernel`, float32 steps of up to `cpu_matmul.MAX_ROWS` rows go to jaxserve's C++ kernel, which
-    streams w at the memory's rate where XLA's dots fell to a fraction of it (BUILD.md, "Skinny matmuls on a
-    CPU"). Otherwise XLA's CPU backend gives dots to YNNPACK, and Eigen runs the 2-16-row GEMMs of decode steps
-    faster (`small`'s projections at 16 rows: 10.7 vs 14.4 ms, at 32: 21.9 vs 18.7; BUILD.md). YNNPACK declines a
-    dot whose left operand is column-major, so for those row counts x goes in transposed, behind an optimization
-    barrier that keeps XLA from folding the transpose back into the dot.
+    streams w at the memory's rate where XLA's dots fell to a fraction of it (BUILD.md, "Whole-step attention
+    and few-row matmuls in C++"). Otherwise XLA's CPU backend gives dots to YNNPACK, and Eigen runs the 2-16-row
+    GEMMs of decode steps faster (`small`'s projections at 16 rows: 10.7 vs 14.4 ms, at 32: 21.9 vs 18.7;
+    BUILD.md). YNNPACK declines a dot whose left operand is column-major, so for those row counts x goes in
+    transposed, behind an optimization barrier that keeps XLA from folding the transpose back into the dot.
     """
     t = x.shape[0]
     if cpu_kernel and cpu_matmul.supports(x, w):

@@ -56,9 +56,10 @@ DEFAULT_DECODE_TAIL_BLOCK = 32
 # choices it makes (one 16-row block for 9-16 rows, one 8-row block for 5-8) are the same for either value.
 Q_BLOCK_OVERHEAD_ROWS = 20
 # On a CPU (float32) the C++ kernel takes every sequence of a step: one layer of `small` beside 4 decodes, kernel
-# vs these jnp loops, 32 rows after 2016 tokens 1.06 vs 4.44 ms, 128 after 1920 3.86 vs 8.01, 1024 from scratch
-# 8.7 vs 21.3 (BUILD.md, "The CPU attention kernel, measured"). It spreads a step's work over XLA's intra-op
-# threads from this many query rows x context keys on; below that, waking a second thread costs more than it saves.
+# vs these jnp loops, 32 rows after 2016 tokens 1.07 vs 4.44 ms, 128 after 1920 3.60 vs 8.01, 1024 from scratch
+# 8.62 vs 21.30 (BUILD.md, "Whole-step attention and few-row matmuls in C++"). It spreads a step's work over
+# XLA's intra-op threads from this many query rows x context keys on; below that, waking a second thread costs
+# more than it saves.
 KERNEL_PARALLEL_KEYS = 4096
 
 
@@ -275,9 +276,11 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: 
     over `kv_block`-token KV blocks up to the causal limit (by default 256 on CPU, 2048 elsewhere). Rows of
     padded tokens come back as zeros.
 
-    On a CPU in float32, with `cpu_kernel`, `decode_mode="auto"` and the kernel built (`cpu_attention.available()`),
+    On a CPU in float32, with `cpu_kernel`, `decode_mode="auto"` and the kernels built (`cpu_kernels.available()`),
     the C++ kernel takes the whole step instead (`cpu_attention.cpu_paged_attention`).
     """
+    if cpu_kernel and decode_mode == "auto" and cpu_attention.supports(q, k_cache):
+        return cpu_attention.cpu_paged_attention(q, k_cache, v_cache, meta, scale, KERNEL_PARALLEL_KEYS)
     t, h, d = q.shape
     page_size, kvh = k_cache.shape[1], k_cache.shape[2]
     g = h // kvh
@@ -294,8 +297,6 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: 
     # A wide block never runs past the table's own pages: it covers history every query sees whole.
     wide_pages = {rows: _wide_block_pages(g * rows, block_pages, page_size, meta.page_table.shape[1]) if on_cpu
                   else () for rows in sizes}
-    if cpu_kernel and decode_mode == "auto" and cpu_attention.supports(q, k_cache):
-        return cpu_attention.cpu_paged_attention(q, k_cache, v_cache, meta, scale, KERNEL_PARALLEL_KEYS)
     out = jnp.zeros((t + sizes[0], kvh, g, d), jnp.float32)
 
     if decode_mode == "auto":
