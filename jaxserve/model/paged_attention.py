@@ -59,8 +59,10 @@ Q_BLOCK_OVERHEAD_ROWS = 20
 # vs these jnp loops, 32 rows after 2016 tokens 1.07 vs 4.44 ms, 128 after 1920 3.60 vs 8.01, 1024 from scratch
 # 8.62 vs 21.30 (BUILD.md, "Whole-step attention and few-row matmuls in C++"). It spreads a step's work over
 # XLA's intra-op threads from this many query rows x context keys on; below that, waking a second thread costs
-# more than it saves.
-KERNEL_PARALLEL_KEYS = 4096
+# more than it saves. From memory one thread reads a decode's pages at ~10 GB/s: at 4096 keys, `small`'s forward
+# of one decode took 16.9 ms at 1024 tokens of context against 13.9 at 128; at 512, 15.3 against 14.2 (a
+# throwaway A/B of engines in one process).
+KERNEL_PARALLEL_KEYS = 512
 
 
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
