@@ -40,8 +40,10 @@ Progress = Callable[[str, float], None]  # (phase description, fraction of the w
 class CalibrationConfig:
     """Sizes of the measurements; `quick()` is for tests."""
 
-    # 2048: a long lone prefill, so the fit sees attention's cost apart from the chunked (mixed) steps'
-    prefill_lens: tuple[int, ...] = (16, 64, 256, 512, 2048)
+    # 2048 and 3072: long lone prefills, so the fit sees attention's cost apart from the chunked (mixed) steps'.
+    # With 2048 alone, the report's 4096-token prompt came out 5-22% slow (`reports/small-s61` to `-s77`): the
+    # CPU kernel's tiles of a long prompt run at a better rate than the many mixed steps' shorter chunks.
+    prefill_lens: tuple[int, ...] = (16, 64, 256, 512, 2048, 3072)
     # Nine decode points of ten steps each: with five points of six steps, one noisy decode step moved the
     # report's TPOT headline by several percent.
     decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
