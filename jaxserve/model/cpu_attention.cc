@@ -9,14 +9,13 @@
 // zeros.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
+#include <utility>
 #include <vector>
 
+#include "cpu_pool.h"
 #include "cpu_vec.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -371,24 +370,6 @@ void AttendAny(const Problem& p, int head_dim, const Item& it, std::vector<float
   }
 }
 
-// Work shared by the calling thread and the pool's: items are claimed one at a time from `next`.
-struct Work {
-  Problem problem;
-  int head_dim;
-  std::vector<Item> items;
-  std::atomic<int> next{0};
-  std::atomic<int> done{0};
-
-  void Run() {
-    thread_local std::vector<float> scratch;
-    const int n = static_cast<int>(items.size());
-    for (int i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
-      AttendAny(problem, head_dim, items[i], scratch);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
                               ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> page_table,
                               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> cu_q_lens,
@@ -409,11 +390,10 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     return ffi::Error::InvalidArgument("paged attention: head_dim must be 16, 32, 64, 80, 96, 128 or 256");
   }
 
-  auto work = std::make_shared<Work>();
-  work->problem = Problem{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), out->typed_data(),
-                          page_table.typed_data(), kv_lens.typed_data(), cu_q_lens.typed_data(),
-                          heads, kv_heads, heads / kv_heads, kv_dims[1], page_table.dimensions()[1], scale};
-  work->head_dim = static_cast<int>(head_dim);
+  const Problem problem{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), out->typed_data(),
+                        page_table.typed_data(), kv_lens.typed_data(), cu_q_lens.typed_data(),
+                        heads, kv_heads, heads / kv_heads, kv_dims[1], page_table.dimensions()[1], scale};
+  std::vector<Item> items;
   const int32_t* cu = cu_q_lens.typed_data();
   const int seqs = num_seqs.typed_data()[0];
   float* o = out->typed_data();
@@ -433,21 +413,20 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
       const int r0 = static_cast<int>(static_cast<int64_t>(q_len) * i / tiles);
       const int r1 = static_cast<int>(static_cast<int64_t>(q_len) * (i + 1) / tiles);
       const int64_t cost = static_cast<int64_t>(r1 - r0) * (ctx + r1);
-      for (int h = 0; h < kv_heads; ++h) work->items.push_back(Item{s, h, r0, r1, cost});
+      for (int h = 0; h < kv_heads; ++h) items.push_back(Item{s, h, r0, r1, cost});
     }
   }
-  std::stable_sort(work->items.begin(), work->items.end(),
-                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const int64_t used = seqs > 0 ? cu[seqs] : 0;
   std::memset(o + used * row_floats, 0, sizeof(float) * (tokens - used) * row_floats);
 
-  const int n = static_cast<int>(work->items.size());
-  const int helpers = keys >= min_parallel_keys ? std::min<int64_t>(pool.num_threads(), n) - 1 : 0;
-  // A helper that starts after the work is gone finds nothing to claim; it holds `work` alive, so the caller
-  // waits only for the items, never for the helpers themselves.
-  for (int i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
-  work->Run();
-  while (work->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  const int n = static_cast<int>(items.size());
+  const int threads = keys >= min_parallel_keys ? static_cast<int>(pool.num_threads()) : 1;
+  const int dim = static_cast<int>(head_dim);
+  jaxserve::ParallelFor(pool, n, threads, [problem, dim, items = std::move(items)](int i) {
+    thread_local std::vector<float> scratch;
+    AttendAny(problem, dim, items[i], scratch);
+  });
   return ffi::Error::Success();
 }
 

@@ -25,7 +25,8 @@ import jax
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.cc", "cpu_matmul.cc"))
-HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # included by the sources: part of the build's key
+# included by the sources: part of the build's key
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_pool.h", "cpu_vec.h"))
 # XLA custom-call target -> the handler symbol the library exports for it
 TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention", "jaxserve_matmul": "JaxserveMatmul",
            "jaxserve_matmul_nt": "JaxserveMatmulNT"}

@@ -5,18 +5,16 @@
 // streaming the weights once needs: `small`'s 48 matrices at 8 rows read 7-8 GB/s (see BUILD.md, "Whole-step
 // attention and few-row matmuls in C++"). Here each thread takes a band of w's columns and walks it in blocks of
 // kRowBlock rows of w: for every 16 columns it accumulates up to kMaxRows rows of y in registers over the block,
-// so w streams from memory
-// as kRowBlock sequential row segments (the prefetcher follows those; the next block's rows are prefetched into
-// L2 as the current one is read) and y stays in cache between blocks. More rows than kMaxRows take another pass.
-// For w^T each thread takes a band of w's rows and walks them four at a time, the rows of x a few at a time
-// against them (from L1), as 16-float partial dot products summed across lanes at the end of each row.
+// so w streams from memory as kRowBlock sequential row segments (the prefetcher follows those; the next block's
+// rows are prefetched into L2 as the current one is read) and y stays in cache between blocks. More rows than
+// kMaxRows take another pass. For w^T each thread takes a band of w's rows and walks them four at a time, the
+// rows of x a few at a time against them (from L1), as 16-float partial dot products summed across lanes at the
+// end of each row.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <memory>
-#include <thread>
 
+#include "cpu_pool.h"
 #include "cpu_vec.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -124,45 +122,22 @@ void DotBand(const Problem& p, int64_t n0, int64_t n1) {
   }
 }
 
-// Column bands shared by the calling thread and the pool's, claimed one at a time.
-struct Work {
-  Problem problem;
-  bool transposed = false;  // w is [N, K]: bands of its rows (4 at a time), else of its columns (16 at a time)
-  int bands = 0;
-  std::atomic<int> next{0};
-  std::atomic<int> done{0};
-
-  void Run() {
-    const Problem& p = problem;
-    const int64_t unit = transposed ? 4 : kLanes;
-    const int64_t units = p.n / unit;
-    const int passes = static_cast<int>((p.m + kMaxRows - 1) / kMaxRows);
-    for (int b = next.fetch_add(1); b < bands; b = next.fetch_add(1)) {
-      const int64_t c0 = units * b / bands * unit, c1 = units * (b + 1) / bands * unit;
-      if (transposed) {
-        DotBand(p, c0, c1);
-      } else {
-        for (int i = 0; i < passes; ++i) {  // near-equal passes: 24 rows are two of 12, not 16 and 8
-          const int64_t m0 = p.m * i / passes, m1 = p.m * (i + 1) / passes;
-          BandAny(p, static_cast<int>(m1 - m0), m0, c0, c1);
-        }
-      }
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-ffi::Error Run(ffi::ThreadPool& pool, std::shared_ptr<Work> work) {
-  const Problem& p = work->problem;
+// Bands of w's columns (16 at a time) or, `transposed` (w is [N, K]), of its rows (4 at a time): one band a
+// thread, since a band's rows are long sequential reads, which more and narrower bands would cut up.
+ffi::Error Run(ffi::ThreadPool& pool, const Problem& p, bool transposed) {
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
-  // One band a thread: a band's rows are long sequential reads, which more and narrower bands would cut up.
-  work->bands = static_cast<int>(
-      std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), p.n / (work->transposed ? 4 : kLanes)));
-  // A helper that starts after the work is gone finds nothing to claim; it holds `work` alive, so the caller
-  // waits only for the bands, never for the helpers themselves.
-  for (int i = 0; i < work->bands - 1; ++i) pool.Schedule([work] { work->Run(); });
-  work->Run();
-  while (work->done.load(std::memory_order_acquire) < work->bands) std::this_thread::yield();
+  const int64_t unit = transposed ? 4 : kLanes;
+  const int64_t units = p.n / unit;
+  const int bands = static_cast<int>(std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), units));
+  const int passes = static_cast<int>((p.m + kMaxRows - 1) / kMaxRows);
+  jaxserve::ParallelFor(pool, bands, bands, [p, transposed, unit, units, bands, passes](int b) {
+    const int64_t c0 = units * b / bands * unit, c1 = units * (b + 1) / bands * unit;
+    if (transposed) return DotBand(p, c0, c1);
+    for (int i = 0; i < passes; ++i) {  // near-equal passes: 24 rows are two of 12, not 16 and 8
+      const int64_t m0 = p.m * i / passes, m1 = p.m * (i + 1) / passes;
+      BandAny(p, static_cast<int>(m1 - m0), m0, c0, c1);
+    }
+  });
   return ffi::Error::Success();
 }
 
@@ -174,9 +149,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     return ffi::Error::InvalidArgument("matmul: x must be [M, K] and w [K, N]");
   }
   if (wd[1] % kLanes != 0) return ffi::Error::InvalidArgument("matmul: N must be a multiple of 16");
-  auto work = std::make_shared<Work>();
-  work->problem = Problem{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[1]};
-  return Run(pool, work);
+  return Run(pool, Problem{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[1]}, false);
 }
 
 ffi::Error MatmulNTImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
@@ -189,10 +162,7 @@ ffi::Error MatmulNTImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   if (wd[1] % kLanes != 0 || wd[0] % 4 != 0) {
     return ffi::Error::InvalidArgument("matmul_nt: K must be a multiple of 16 and N of 4");
   }
-  auto work = std::make_shared<Work>();
-  work->problem = Problem{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[0]};
-  work->transposed = true;
-  return Run(pool, work);
+  return Run(pool, Problem{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[0]}, true);
 }
 
 }  // namespace
