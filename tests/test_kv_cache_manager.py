@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from jaxserve.kv_cache_manager import KVCacheManager
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
@@ -71,7 +76,58 @@ def test_generated_tokens_are_cached_for_the_next_turn() -> None:
         compute(kv, turn1, 1)
     kv.free(turn1)
     turn2 = make_request("t2", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
-    assert kv.admit(turn2) == 8  # the answer's tokens 7 and 8 complete page 2
+    assert kv.admit(turn2) == 9  # the answer's tokens 7 and 8 complete page 2; 9 is page 3's tail
+    kv.integrity_check()
+
+
+def test_the_next_turn_claims_the_partial_last_page_and_continues_it() -> None:
+    kv = KVCacheManager(num_pages=16, page_size=PS)
+    turn1 = make_request("t1", list(range(1, 11)))  # 10 tokens: 2 full pages and 2 tokens of a third
+    serve_prompt(kv, turn1)
+    partial = turn1.page_ids[2]
+    kv.free(turn1)
+    assert kv.tree is not None and kv.tree.num_pages == 2
+    assert kv.num_evictable_pages == 3 and kv.usage() == 0.0  # the tail's page is cached capacity too
+    kv.integrity_check()
+
+    turn2 = make_request("t2", list(range(1, 11)) + [50, 51, 52])
+    assert kv.admit(turn2) == 10 and turn2.num_cached_tokens == 10
+    assert turn2.page_ids[2] == partial  # the page is now turn2's own: it writes tokens 11-12 into it
+    assert kv.num_evictable_pages == 0
+    compute(kv, turn2, 3)
+    assert kv.tree.num_pages == 3  # the claimed page filled up and joined the tree
+    kv.integrity_check()
+
+
+def test_a_tail_serves_only_prompts_that_continue_it() -> None:
+    kv = KVCacheManager(num_pages=16, page_size=PS)
+    serve_prompt(kv, first := make_request("a", [1, 2, 3, 4, 5, 6, 7]))  # tail: 5, 6, 7
+    kv.free(first)
+    other = make_request("b", [1, 2, 3, 4, 9, 9, 9, 9])
+    assert kv.admit(other) == 4  # diverges at the tail's first token: whole pages only
+    partly = make_request("c", [1, 2, 3, 4, 5, 6, 0, 0])
+    assert kv.admit(partly) == 6  # shares two of the tail's three tokens
+    salted = make_request("d", [1, 2, 3, 4, 5, 6, 7, 8], salt="x")
+    assert kv.admit(salted) == 0
+    kv.integrity_check()
+
+
+def test_tails_are_evicted_first_and_preempted_requests_get_theirs_back() -> None:
+    kv = KVCacheManager(num_pages=6, page_size=PS)  # 5 usable pages
+    done = make_request("done", [1] * 6)  # one full page and a tail of two
+    serve_prompt(kv, done)
+    kv.free(done)
+    assert kv.allocator.num_free == 3 and kv.num_free_pages == 5
+    big = make_request("big", [2] * 16)
+    kv.admit(big)
+    assert kv.allocate(big, 16)  # four pages: the free three and the tail's, the full page stays cached
+    assert kv.num_evicted_pages == 1 and kv.tree is not None and kv.tree.num_pages == 1
+    big.num_computed_tokens = 10  # preempted after 10 of its tokens
+    kv.free(big)
+    kv.integrity_check()
+    big.num_computed_tokens = 0
+    assert kv.admit(big) == 10  # two full pages from the tree, the tail of two
+    assert kv.reset_prefix_cache() == 1  # only "done"'s page: big's pages are held again
     kv.integrity_check()
 
 
@@ -161,3 +217,36 @@ def test_reset_prefix_cache_drops_only_unlocked_pages() -> None:
     assert kv.reset_prefix_cache() == 2
     assert kv.tree is not None and kv.tree.num_pages == 2
     kv.integrity_check()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_pages=st.integers(4, 24))
+def test_every_cached_token_a_request_is_given_is_its_own_token(seed: int, num_pages: int) -> None:
+    """Random conversations (each turn resends the history plus new tokens), preemptions and aborts under page
+    pressure: whatever admit hands a request, whole pages or a claimed tail, holds KV of exactly that
+    request's tokens at those positions, and no page leaks."""
+    rng = random.Random(seed)
+    kv = KVCacheManager(num_pages=num_pages, page_size=PS)
+    written: dict[int, dict[int, int]] = {}  # page -> slot -> the token whose KV a step wrote there
+    histories: list[list[int]] = [[rng.randrange(3)] for _ in range(3)]
+    for n in range(40):
+        conv = rng.randrange(len(histories))
+        prompt = histories[conv] + [rng.randrange(3) for _ in range(rng.randrange(1, 7))]
+        req = make_request(f"r{n}", prompt)
+        hit = kv.admit(req)
+        for pos in range(hit):
+            assert written[req.page_ids[pos // PS]][pos % PS] == req.all_token_ids[pos]
+        while req.num_computed_tokens < req.num_tokens and rng.random() > 0.05:
+            step = min(rng.randrange(1, 6), req.num_tokens - req.num_computed_tokens)
+            if not kv.allocate(req, step):
+                break  # no room: this request gives up (a preemption that never comes back)
+            for pos in range(req.num_computed_tokens, req.num_computed_tokens + step):
+                written.setdefault(req.page_ids[pos // PS], {})[pos % PS] = req.all_token_ids[pos]
+            req.num_computed_tokens += step
+            kv.cache_full_pages(req)
+            if req.num_computed_tokens == req.num_tokens and len(req.output_token_ids) < 3:
+                req.output_token_ids.append(rng.randrange(3))  # a decode: its KV comes with the next step
+        histories[conv] = req.all_token_ids
+        kv.free(req)
+        kv.integrity_check()
+    assert kv.num_used_pages == 0

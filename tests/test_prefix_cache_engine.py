@@ -3,6 +3,7 @@ other chunk sizes, or preemption forced), a conversation's next turn hits the pr
 tenants, and the accounting adds up."""
 
 import numpy as np
+import pytest
 
 from jaxserve import LLM, SamplingParams
 from tests.conftest import TINY_ENGINE_ARGS
@@ -17,13 +18,17 @@ def shared_prefix_prompts(n: int, seed: int, prefix_len: int = 100) -> list[list
     return [system + rng.integers(0, 256, size=int(rng.integers(1, 40))).tolist() for _ in range(n)]
 
 
-def test_cached_prefixes_give_the_same_tokens_as_no_cache(tiny_llm):
+@pytest.fixture(scope="module")
+def uncached_llm():
+    return LLM(model="tiny", **{**TINY_ENGINE_ARGS, "enable_prefix_caching": False, "chunk_size": 16})
+
+
+def test_cached_prefixes_give_the_same_tokens_as_no_cache(tiny_llm, uncached_llm):
     batch = shared_prefix_prompts(6, seed=10)
     tiny_llm.generate(batch[:1], GREEDY)  # warms the cache with the shared system prompt
     cached = tiny_llm.generate(batch, GREEDY)
     assert all(o.num_cached_tokens >= 96 for o in cached)  # the 100-token prefix, in whole pages
     assert all(o.metrics.num_cached_tokens == o.num_cached_tokens for o in cached)
-    uncached_llm = LLM(model="tiny", **{**TINY_ENGINE_ARGS, "enable_prefix_caching": False, "chunk_size": 16})
     uncached = uncached_llm.generate(batch, GREEDY)
     assert [o.token_ids for o in uncached] == [o.token_ids for o in cached]
     assert all(o.num_cached_tokens == 0 for o in uncached)
@@ -48,14 +53,21 @@ def test_forced_preemption_with_caching_gives_the_same_tokens(tiny_llm):
     assert engine.kv_manager.num_used_pages == 0
 
 
-def test_the_next_turn_hits_the_previous_answer(tiny_llm):
+def test_the_next_turn_hits_the_previous_answer(tiny_llm, uncached_llm):
     rng = np.random.default_rng(12)
     turn1 = rng.integers(0, 256, size=40).tolist()
     answer = tiny_llm.generate([turn1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
     turn2 = turn1 + answer.token_ids + rng.integers(0, 256, size=5).tolist()
     out = tiny_llm.generate([turn2], GREEDY)[0]
-    # KV exists for 40 + 30 - 1 tokens (the last sampled token was never fed back): 4 whole pages
-    assert out.num_cached_tokens == (40 + 30 - 1) // PAGE * PAGE
+    # KV exists for 40 + 30 - 1 tokens (the last sampled token was never fed back): whole pages, then the
+    # partial last page, which turn 2 takes over and writes on from token 70
+    assert (40 + 30 - 1) % PAGE and out.num_cached_tokens == 40 + 30 - 1
+    assert out.token_ids == uncached_llm.generate([turn2], GREEDY)[0].token_ids
+    turn3 = turn2 + out.token_ids + [1, 2]
+    third = tiny_llm.generate([turn3], GREEDY)[0]
+    assert third.num_cached_tokens == len(turn2) + 16 - 1
+    assert third.token_ids == uncached_llm.generate([turn3], GREEDY)[0].token_ids
+    tiny_llm.engine.scheduler.integrity_check()
 
 
 def test_salted_requests_never_hit_each_other(tiny_llm):

@@ -92,7 +92,7 @@ def test_the_next_turn_of_a_conversation_hits_the_previous_answer() -> None:
     history = turn1.all_token_ids  # 18 prompt + 10 answer tokens; KV computed for 27 of them
     driver.scheduler.add_request(make_request("turn2", history + [7, 7, 7]))
     driver.step()
-    assert driver.scheduler.get_request("turn2").num_cached_tokens == 24  # 27 floored to pages
+    assert driver.scheduler.get_request("turn2").num_cached_tokens == 27  # 24 in pages, 3 in the last one's tail
 
 
 def test_a_second_request_hits_the_pages_of_one_still_prefilling() -> None:
