@@ -38,13 +38,15 @@ def test_the_matmul_kernel_is_a_matmul(rows: int, inputs: int) -> None:
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="jaxserve's CPU kernels are not built here")
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, cpu_matmul.MAX_ROWS])
-def test_the_transposed_matmul_kernel_is_a_matmul(rows: int) -> None:
-    """x @ w^T for a tied LM head: rows of x four at a time and a remainder, rows of w four at a time (40: ten
-    groups, split between threads)."""
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 16, 17, cpu_matmul.MAX_ROWS])
+@pytest.mark.parametrize("w_rows", [40, 44])
+def test_the_transposed_matmul_kernel_is_a_matmul(rows: int, w_rows: int) -> None:
+    """x @ w^T for a tied LM head: rows of x four at a time and a remainder against rows of w four at a time, or,
+    for 9-16 rows of x, x^T against rows of w eight at a time (40: five groups, split between threads; 44, not a
+    multiple of eight: four at a time)."""
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((rows, 64), dtype=np.float32)
-    w = rng.standard_normal((40, 64), dtype=np.float32)
+    w = rng.standard_normal((w_rows, 64), dtype=np.float32)
     assert cpu_matmul.supports_nt(jnp.asarray(x), jnp.asarray(w))
     out = jax.jit(cpu_matmul.cpu_matmul_nt)(jnp.asarray(x), jnp.asarray(w))
     np.testing.assert_allclose(np.asarray(out), x @ w.T, rtol=1e-5, atol=1e-4)
