@@ -14,7 +14,7 @@ KV pages move between pools with `gather_pages` and `insert_pages` (donated), co
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -264,11 +264,12 @@ class ModelRunner:
         return self.collect(self.dispatch(batch, sampling), batch, sampling)
 
     def collect(self, pending: Any, batch: RaggedBatch, sampling: SamplingArrays) -> StepResult:
-        """Wait for a dispatched step and copy what it drew to the host."""
-        tokens, logprobs, top_ids, top_lp = (_to_host(x) for x in pending)
+        """Wait for a dispatched step and copy what it drew to the host (the top logprobs only when asked for)."""
         s = batch.num_seqs
         if not sampling.want_logprobs:
+            tokens, logprobs = _to_host(pending[:2])
             return StepResult(tokens[:s], logprobs[:s], None, None)
+        tokens, logprobs, top_ids, top_lp = _to_host(pending)
         return StepResult(tokens[:s], logprobs[:s], top_ids[:s], top_lp[:s])
 
     def sampling_bucket(self, num_seqs: int) -> int:
@@ -370,9 +371,10 @@ def _trash_prefill(num_tokens: int, page_size: int, max_seqs: int = 1, max_len: 
                        logits_indices=cu[1:] - 1, samples=np.ones(n, bool))
 
 
-def _to_host(x: jax.Array) -> np.ndarray:
-    """A replicated device array on the host (reads this process's copy when the mesh spans processes)."""
-    if x.is_fully_addressable:
-        return np.asarray(jax.device_get(x))
-    return np.asarray(x.addressable_data(0))
+def _to_host(xs: Sequence[jax.Array]) -> list[np.ndarray]:
+    """Replicated device arrays on the host, in one transfer (this process's copies when the mesh spans
+    processes): one `device_get` per array cost ~45 us each on a CPU."""
+    if all(x.is_fully_addressable for x in xs):
+        return [np.asarray(x) for x in jax.device_get(list(xs))]
+    return [np.asarray(x.addressable_data(0)) for x in xs]
 
