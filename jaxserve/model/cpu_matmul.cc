@@ -124,12 +124,12 @@ void DotBand(const Problem& p, int64_t n0, int64_t n1) {
 }
 
 // x @ w^T for kBcastMinRows to kLanes rows of x. Four rows of w against four rows of x at a time re-read all of
-// x (from L2: 16 rows of `small`'s are 48 KB) for every four rows of w and sum every output across lanes: 16
-// rows took 2.4x the time of 8 (the head of a 16-decode step 8.1 ms, 3.3 at 8). Here x^T ([K][16], rows
-// padded with zeros) is laid out once, and each element of kBcastRows rows of w is broadcast against its
-// 16-row vector, so y's columns accumulate in registers and x^T streams once per kBcastRows rows of w. In a
-// throwaway micro-benchmark over `small`'s embedding: 12 rows 4.9 -> 3.9 ms, 16 rows 6.6 -> 4.5; at 8 rows and
-// fewer the four-by-four blocks stay faster (3.5 against 3.9 at 8).
+// x (from L2: 16 rows of `small`'s are 48 KB) for every four rows of w and sum every output across lanes: over
+// `small`'s embedding 16 rows took 6.6 ms against 3.5 at 8 (a throwaway two-thread micro-benchmark). Here x^T
+// ([K][16], rows padded with zeros) is laid out once, and each element of kBcastRows rows of w is broadcast
+// against its 16-row vector, so y's columns accumulate in registers and x^T streams once per kBcastRows rows of
+// w: 12 rows 4.9 -> 3.9 ms, 16 rows 6.6 -> 4.5 in the same benchmark; at 8 rows and fewer the four-by-four
+// blocks stay faster (3.5 against 3.9 at 8).
 constexpr int kBcastRows = 8;
 constexpr int kBcastMinRows = 9;
 
