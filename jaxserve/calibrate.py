@@ -177,10 +177,9 @@ def measure_weight_streams(weights: list[Any], rows: tuple[int, ...] = (1, 2), r
                            cpu_kernel: bool = False) -> dict[int, float]:
     """Weight bytes/s of each `rows` count of tokens through `weights` ([in, ...] arrays, together more than a
     cache holds), as the model runs them (`linear`, with `cpu_kernel` as the engine has it): a decode's weight
-    streaming. The row counts alternate and
-    each keeps its median, so their ratio compares the two kernels in the same state of the machine. Fifty
-    repeats: a throwaway driver calling this four times on `small`'s shapes read ratios of 1.22-1.29 with 50,
-    1.21-1.61 with 15."""
+    streaming. The row counts alternate and each keeps its median, so their ratio compares the two kernels in the
+    same state of the machine. Fifty repeats: a throwaway driver calling this four times on `small`'s shapes read
+    ratios of 1.22-1.29 with 50, 1.21-1.61 with 15."""
     import jax
     import jax.numpy as jnp
 

@@ -229,12 +229,11 @@ class KVCacheManager:
         """
         n = req.num_computed_tokens
         rest = n % self.page_size
-        if self.tree is None or holding.node is None or rest == 0 or n // self.page_size != holding.num_tree_pages:
-            return False
-        if len(req.page_ids) <= holding.num_tree_pages:
+        if (self.tree is None or holding.node is None or rest == 0 or n // self.page_size != holding.num_tree_pages
+                or len(req.page_ids) <= holding.num_tree_pages):
             return False
         tokens = tuple(req.all_token_ids[n - rest: n])
-        if len(tokens) != rest or min(tokens) < 0:
+        if min(tokens) < 0:
             return False
         key = self._tail_key(holding.node)
         old = self._tails.pop(key, None)
@@ -246,7 +245,8 @@ class KVCacheManager:
     def _claim_tail(self, req: Request, node: RadixNode) -> None:
         """Take `node`'s tail for `req` (just matched up to `node`) when it continues the prompt (capped at
         num_tokens - 1): the page becomes the request's first private page, its shared tokens computed."""
-        tail = self._tails.get(self._tail_key(node))
+        key = self._tail_key(node)
+        tail = self._tails.get(key)
         if tail is None:
             return
         want = req.all_token_ids[req.num_computed_tokens: req.num_tokens - 1]
@@ -257,7 +257,7 @@ class KVCacheManager:
             shared += 1
         if shared == 0:
             return
-        del self._tails[self._tail_key(node)]
+        del self._tails[key]
         req.page_ids.append(tail.page_id)
         req.num_computed_tokens += shared
 
