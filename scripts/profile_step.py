@@ -3,21 +3,43 @@
     python scripts/profile_step.py --model small --batch 1
     python scripts/profile_step.py --model small --batch 1 --async-scheduling
     python scripts/profile_step.py --model small --batch 64 --top-p 0.9        # nucleus sampling on every row
+    python scripts/profile_step.py --model small --batch 1 --breakdown         # the host's parts of a step
 
 Runs `--batch` requests of `--prompt-len`-token prompts (default 128) to steady decode, then times `--steps`
 engine steps: the wait for the device (forward + sampler) and the rest (scheduling, batch layout, dispatch, stop
 checks), and then the jitted forward and the jitted sampler alone on the same inputs. With
 `--async-scheduling` the host works while the device runs the previous step, so the host share is what the
-device waits for the host (the dispatch of the next step), not the host's whole work.
+device waits for the host (the dispatch of the next step), not the host's whole work. `--breakdown` also times
+the host's parts of a step (scheduling, the two jitted calls, the copy back, post-processing) by wrapping the
+engine's methods with timers, which add about a microsecond each.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
+
+
+def timed(obj: object, name: str, totals: dict[str, float], label: str | None = None) -> Callable[[], None]:
+    """Wrap `obj.name` so that its calls add their wall time to totals[label]; returns the undo."""
+    inner = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            totals[label or name] += time.perf_counter() - t
+
+    if hasattr(inner, "_cache_size"):  # a jitted function: the engine counts its compilations
+        wrapper._cache_size = inner._cache_size
+    setattr(obj, name, wrapper)
+    return lambda: setattr(obj, name, inner)
 
 
 def main() -> None:
@@ -32,6 +54,7 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--kv-cache-gib", type=float, default=None,
                     help="KV pool size; a step's time must not grow with it (the pool is donated, not copied)")
+    ap.add_argument("--breakdown", action="store_true", help="also time the host's parts of a step")
     args = ap.parse_args()
 
     from jaxserve.engine import LLMEngine
@@ -67,10 +90,29 @@ def main() -> None:
         return collect(pending, batch, sampling)
 
     runner.collect = timed_collect
+    parts: dict[str, float] = collections.defaultdict(float)
+    undo = []
+    if args.breakdown:
+        # In call order; a part's time includes the parts it calls (dispatch holds both jitted calls; collect
+        # holds the device wait, which is reported apart).
+        for obj, name, label in [(engine.scheduler, "schedule", "schedule"),
+                                 (engine, "_sampling_for", "sampling rows"),
+                                 (runner, "_device_inputs", "step inputs"),
+                                 (runner, "dispatch", "dispatch (inputs + both calls)"),
+                                 (runner, "_forward", "forward call"),
+                                 (runner, "_sample", "sampler call"),
+                                 (runner, "collect", "collect (less the wait)"),
+                                 (engine.scheduler, "update_after_step", "scheduler update"),
+                                 (engine.scheduler, "advance_after_dispatch", "scheduler update"),
+                                 (engine, "_postprocess", "post-process (stops, outputs)"),
+                                 (engine, "_record_step", "step stats")]:
+            undo.append(timed(obj, name, parts, label))
     t = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
     step = (time.perf_counter() - t) / args.steps
+    for u in reversed(undo):
+        u()
     runner.collect = collect
 
     batch = engine.scheduler.schedule()
@@ -101,6 +143,11 @@ def main() -> None:
     print(f"{args.model} ({dtype}, KV pool {pool_gib:.2f} GiB, {mode}), {decoding} decoding: "
           f"step {step * 1e3:.1f} ms = device wait {wait * 1e3:.1f} ms + "
           f"host {(step - wait) * 1e3:.1f} ms; alone: forward {fwd * 1e3:.1f} ms, logits+sampling {smp * 1e3:.1f} ms")
+    if args.breakdown:
+        parts["collect (less the wait)"] -= sum(waits)
+        print("host parts per step (us):")
+        for label, total in parts.items():
+            print(f"  {label:32s} {total / args.steps * 1e6:8.1f}")
 
 
 if __name__ == "__main__":

@@ -38,12 +38,24 @@ def test_the_matmul_kernel_is_a_matmul(rows: int, inputs: int) -> None:
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="jaxserve's CPU kernels are not built here")
+@pytest.mark.parametrize("inputs", [37, 64, 130, 600])
+def test_one_row_sums_the_weights_in_parts(inputs: int) -> None:
+    """One row of x takes w's rows in contiguous parts of at least 32 (37, 64: one and two parts; 130: four of 32
+    or 33 rows, not whole groups of four; 600: the most, 16) and adds the parts' partial outputs."""
+    rng = np.random.default_rng(inputs)
+    x = rng.standard_normal((1, inputs), dtype=np.float32)
+    w = rng.standard_normal((inputs, 80), dtype=np.float32)
+    out = jax.jit(cpu_matmul.cpu_matmul)(jnp.asarray(x), jnp.asarray(w))
+    np.testing.assert_allclose(np.asarray(out), x @ w, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="jaxserve's CPU kernels are not built here")
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 16, 17, cpu_matmul.MAX_ROWS])
-@pytest.mark.parametrize("w_rows", [40, 44])
+@pytest.mark.parametrize("w_rows", [40, 44, 1000])
 def test_the_transposed_matmul_kernel_is_a_matmul(rows: int, w_rows: int) -> None:
     """x @ w^T for a tied LM head: rows of x four at a time and a remainder against rows of w four at a time, or,
     for 9-16 rows of x, x^T against rows of w eight at a time (40: five groups, split between threads; 44, not a
-    multiple of eight: four at a time)."""
+    multiple of eight: four at a time), in bands of w's rows, four a thread (1000 rows: bands of 31-32 groups)."""
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((rows, 64), dtype=np.float32)
     w = rng.standard_normal((w_rows, 64), dtype=np.float32)

@@ -10,6 +10,7 @@
 // kMaxRows take another pass. For w^T each thread takes a band of w's rows and walks them four at a time, the
 // rows of x a few at a time against them (from L1), as 16-float partial dot products summed across lanes at the
 // end of each row; for 9-16 rows of x, eight rows of w at a time are broadcast against x^T instead (BcastRows).
+// One row of x against w takes w's rows in contiguous parts instead of its columns in bands (RunOneRow).
 
 #include <algorithm>
 #include <cstdint>
@@ -157,10 +158,54 @@ void BcastBand(const Problem& p, const float* xt, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; n += kBcastRows) BcastRows(p, xt, n, n + 2 * kBcastRows <= n1);
 }
 
-// Bands of w's columns (16 at a time) or, `transposed` (w is [N, K]), of its rows (4 or kBcastRows at a time):
-// one band a thread, since a band's rows are long sequential reads, which more and narrower bands would cut up.
+// One row of x against w [K, N] (a decode step of one request): w's rows are cut into up to kRowParts contiguous
+// runs of at least kMinPartRows rows, each summed into its own partial y and the partials added at the end. Every
+// read of w is then one long sequential stream, where column bands cut each of w's rows into one short run per
+// thread (`small`'s 48 projections at one row: 11.8 -> 11.1 ms, BUILD.md). And with more parts than threads, a
+// thread the OS takes away for a while (the engine's Python thread shares the cores under asynchronous
+// scheduling) holds up only the part it claimed, not half the matrix.
+constexpr int kRowParts = 16;
+constexpr int kMinPartRows = 32;
+// Bands of w's rows per thread for x @ w^T: its bands are contiguous in memory however many there are, and more
+// of them than threads let a thread that runs on finish what a descheduled one has not claimed.
+constexpr int kBandsPerThreadNT = 4;
+
+void RowPart(const Problem& p, int64_t k0, int64_t k1, float* y) {
+  for (int64_t c = 0; c < p.n; c += kLanes) Store(y + c, Vec{});
+  int64_t k = k0;
+  for (; k + 4 <= k1; k += 4) {
+    const float* w = p.w + k * p.n;
+    const float x0 = p.x[k], x1 = p.x[k + 1], x2 = p.x[k + 2], x3 = p.x[k + 3];
+    for (int64_t c = 0; c < p.n; c += kLanes) {
+      Store(y + c, Load(y + c) + x0 * Load(w + c) + x1 * Load(w + p.n + c) + x2 * Load(w + 2 * p.n + c) +
+                       x3 * Load(w + 3 * p.n + c));
+    }
+  }
+  for (; k < k1; ++k) {
+    for (int64_t c = 0; c < p.n; c += kLanes) Store(y + c, Load(y + c) + p.x[k] * Load(p.w + k * p.n + c));
+  }
+}
+
+ffi::Error RunOneRow(ffi::ThreadPool& pool, const Problem& p) {
+  const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kRowParts, p.k / kMinPartRows)));
+  std::vector<float> partial((parts - 1) * p.n);  // part 0 sums into y itself
+  float* y = p.y;
+  float* rest = partial.data();
+  jaxserve::ParallelFor(pool, parts, pool.num_threads(), [p, parts, y, rest](int i) {
+    RowPart(p, p.k * i / parts, p.k * (i + 1) / parts, i == 0 ? y : rest + (i - 1) * p.n);
+  });
+  for (int i = 1; i < parts; ++i) {
+    for (int64_t c = 0; c < p.n; c += kLanes) Store(y + c, Load(y + c) + Load(rest + (i - 1) * p.n + c));
+  }
+  return ffi::Error::Success();
+}
+
+// Bands of w's columns (16 at a time), one a thread, since a band's rows are long sequential reads which more and
+// narrower bands would cut up; or, `transposed` (w is [N, K]), bands of its rows (4 or kBcastRows at a time),
+// kBandsPerThreadNT a thread.
 ffi::Error Run(ffi::ThreadPool& pool, const Problem& p, bool transposed) {
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  if (p.m == 1 && !transposed) return RunOneRow(pool, p);
   const bool bcast = transposed && p.m >= kBcastMinRows && p.m <= kLanes && p.n % kBcastRows == 0;
   std::vector<float> xt(bcast ? p.k * kLanes : 0, 0.0f);
   for (int64_t m = 0; bcast && m < p.m; ++m) {
@@ -169,9 +214,10 @@ ffi::Error Run(ffi::ThreadPool& pool, const Problem& p, bool transposed) {
   const float* xtp = xt.data();
   const int64_t unit = bcast ? kBcastRows : transposed ? 4 : kLanes;
   const int64_t units = p.n / unit;
-  const int bands = static_cast<int>(std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), units));
+  const int threads = static_cast<int>(std::max<int64_t>(1, pool.num_threads()));
+  const int bands = static_cast<int>(std::min<int64_t>(threads * (transposed ? kBandsPerThreadNT : 1), units));
   const int passes = static_cast<int>((p.m + kMaxRows - 1) / kMaxRows);
-  jaxserve::ParallelFor(pool, bands, bands, [p, transposed, bcast, xtp, unit, units, bands, passes](int b) {
+  jaxserve::ParallelFor(pool, bands, threads, [p, transposed, bcast, xtp, unit, units, bands, passes](int b) {
     const int64_t c0 = units * b / bands * unit, c1 = units * (b + 1) / bands * unit;
     if (bcast) return BcastBand(p, xtp, c0, c1);
     if (transposed) return DotBand(p, c0, c1);
