@@ -373,7 +373,7 @@ void AttendAny(const Problem& p, int head_dim, const Item& it, std::vector<float
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
                               ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> page_table,
                               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> cu_q_lens,
-                              ffi::Buffer<ffi::S32> num_seqs, float scale, int64_t min_parallel_keys,
+                              ffi::Buffer<ffi::S32> num_seqs, float scale,
                               ffi::ResultBuffer<ffi::F32> out) {
   const auto q_dims = q.dimensions();
   const auto kv_dims = k_cache.dimensions();
@@ -401,12 +401,10 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   const int32_t* lens = kv_lens.typed_data();
   const int group = static_cast<int>(heads / kv_heads);
   const int tile_tokens = std::max(1, kTileRows / group);
-  int64_t keys = 0;
   for (int s = 0; s < seqs; ++s) {
     const int q_len = cu[s + 1] - cu[s];
     if (q_len < 1) continue;
     const int ctx = lens[s] - q_len;
-    keys += static_cast<int64_t>(lens[s]) * q_len;
     // Tiles of near-equal size: a 33-token chunk is two of 17 tokens, not 32 and 1.
     const int tiles = q_len * group < kMinTileRows ? 1 : (q_len + tile_tokens - 1) / tile_tokens;
     for (int i = 0; i < tiles; ++i) {
@@ -421,7 +419,10 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   std::memset(o + used * row_floats, 0, sizeof(float) * (tokens - used) * row_floats);
 
   const int n = static_cast<int>(items.size());
-  const int threads = keys >= min_parallel_keys ? static_cast<int>(pool.num_threads()) : 1;
+  // Every step's items go to every thread, however few: a lone decode's pages read by one thread at ~10 GB/s, and
+  // XLA's threads, idle through it, went to sleep before the next projection, which then waited ~50 us for its
+  // second thread (BUILD.md, "One-row projections in parts").
+  const int threads = static_cast<int>(pool.num_threads());
   const int dim = static_cast<int>(head_dim);
   jaxserve::ParallelFor(pool, n, threads, [problem, dim, items = std::move(items)](int i) {
     thread_local std::vector<float> scratch;
@@ -443,5 +444,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
-                                  .Attr<int64_t>("min_parallel_keys")
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -26,14 +26,11 @@ def supports(q: jax.Array, k_cache: jax.Array) -> bool:
 
 
 def cpu_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata,
-                        scale: float, min_parallel_keys: int) -> jax.Array:
-    """Causal attention of every sequence of the ragged batch (q [T, H, D], float32); zeros for padded rows.
-
-    The kernel spreads its work over XLA's intra-op threads once the step's query rows x context reach
-    `min_parallel_keys`; below that, waking a second thread costs more than it saves.
-    """
+                        scale: float) -> jax.Array:
+    """Causal attention of every sequence of the ragged batch (q [T, H, D], float32); zeros for padded rows,
+    spread over XLA's intra-op threads."""
     if not cpu_kernels.available():
         raise RuntimeError("jaxserve's CPU kernels are not available on this machine (see the warning above)")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(q, k_cache, v_cache, meta.page_table, meta.kv_lens, meta.cu_q_lens, meta.num_seqs,
-                scale=np.float32(scale), min_parallel_keys=np.int64(min_parallel_keys))
+                scale=np.float32(scale))

@@ -55,14 +55,6 @@ DEFAULT_DECODE_TAIL_BLOCK = 32
 # (17..20 + 128). Over a 4k-token history the same fit gives ~8 rows (the figures above DEFAULT_Q_BLOCKS); the
 # choices it makes (one 16-row block for 9-16 rows, one 8-row block for 5-8) are the same for either value.
 Q_BLOCK_OVERHEAD_ROWS = 20
-# On a CPU (float32) the C++ kernel takes every sequence of a step: one layer of `small` beside 4 decodes, kernel
-# vs these jnp loops, 32 rows after 2016 tokens 1.07 vs 4.44 ms, 128 after 1920 3.60 vs 8.01, 1024 from scratch
-# 8.62 vs 21.30 (BUILD.md, "Whole-step attention and few-row matmuls in C++"). It spreads a step's work over
-# XLA's intra-op threads from this many query rows x context keys on; below that, waking a second thread costs
-# more than it saves. From memory one thread reads a decode's pages at ~10 GB/s: at 4096 keys, `small`'s forward
-# of one decode took 16.9 ms at 1024 tokens of context against 13.9 at 128; at 512, 15.3 against 14.2 (a
-# throwaway A/B of engines in one process).
-KERNEL_PARALLEL_KEYS = 512
 
 
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
@@ -282,7 +274,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: 
     the C++ kernel takes the whole step instead (`cpu_attention.cpu_paged_attention`).
     """
     if cpu_kernel and decode_mode == "auto" and cpu_attention.supports(q, k_cache):
-        return cpu_attention.cpu_paged_attention(q, k_cache, v_cache, meta, scale, KERNEL_PARALLEL_KEYS)
+        return cpu_attention.cpu_paged_attention(q, k_cache, v_cache, meta, scale)
     t, h, d = q.shape
     page_size, kvh = k_cache.shape[1], k_cache.shape[2]
     g = h // kvh
