@@ -15,7 +15,10 @@ instead right around each timed run (calibrate's 1 GiB streaming sum, just befor
 their mean), so the floor and the TPOT see the same machine: its streaming sum read 39 to 64 GB/s within ten
 minutes on 2026-11-30.
 
-    python scripts/bench_vs_hf.py --skip-hf --batches 1 --measure-bandwidth --async-scheduling
+    python scripts/bench_vs_hf.py --skip-hf --batches 1 --measure-bandwidth --async-scheduling --repeats 10
+
+`--repeats N` runs jaxserve N times per batch, each run with its own bandwidth measurement; a row holds the
+medians (TPOT, end to end, TPOT / floor each on its own) and every run under "runs". HF runs once a batch.
 """
 
 from __future__ import annotations
@@ -75,8 +78,12 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="calibrated hardware profile: report TPOT / bandwidth floor")
     ap.add_argument("--measure-bandwidth", action="store_true",
                     help="floor from bandwidth measured just before and after each timed run (not --profile's)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="jaxserve runs per batch (each with its own bandwidth); a row holds their medians")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
 
     from jaxserve import LLM, SamplingParams
     from jaxserve.calibrate import measure_bandwidth
@@ -97,19 +104,26 @@ def main() -> None:
     for b in batches:
         prompts = [rng.integers(0, 256, args.prompt_len).tolist() for _ in range(b)]
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # same shapes, warm
-        llm.engine.kv_manager.reset_prefix_cache()
-        before = measure_bandwidth(2**30) if args.measure_bandwidth else None
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        wall = time.perf_counter() - t
-        if before is not None:
-            bandwidth = (before + measure_bandwidth(2**30)) / 2
-        tpot = float(np.mean([o.metrics.tpot for o in outs]))
-        row = {"batch": b, "jaxserve_e2e_s": wall, "jaxserve_tpot_ms": tpot * 1e3,
-               "jaxserve_tokens_per_s": b * args.new_tokens / wall,
-               "jaxserve_ttft_ms": float(np.mean([o.metrics.ttft for o in outs])) * 1e3}
-        if bandwidth:
-            row.update(decode_floor(spec, b, args.prompt_len + args.new_tokens / 2, bandwidth, tpot))
+        runs = []
+        for _ in range(args.repeats):
+            llm.engine.kv_manager.reset_prefix_cache()  # every run prefills its prompts
+            before = measure_bandwidth(2**30) if args.measure_bandwidth else None
+            t = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            wall = time.perf_counter() - t
+            if before is not None:
+                bandwidth = (before + measure_bandwidth(2**30)) / 2
+            tpot = float(np.mean([o.metrics.tpot for o in outs]))
+            run = {"jaxserve_e2e_s": wall, "jaxserve_tpot_ms": tpot * 1e3,
+                   "jaxserve_tokens_per_s": b * args.new_tokens / wall,
+                   "jaxserve_ttft_ms": float(np.mean([o.metrics.ttft for o in outs])) * 1e3}
+            if bandwidth:
+                run.update(decode_floor(spec, b, args.prompt_len + args.new_tokens / 2, bandwidth, tpot))
+            runs.append(run)
+        row = {"batch": b, **{k: float(np.median([r[k] for r in runs])) for k in runs[0]}}
+        if len(runs) > 1:
+            row["runs"] = runs
+        wall = row["jaxserve_e2e_s"]
         if hf is not None:
             hf_run(hf, prompts, 2)  # warm
             e2e = hf_run(hf, prompts, args.new_tokens)
