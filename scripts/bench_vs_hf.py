@@ -18,7 +18,8 @@ minutes on 2026-11-30.
     python scripts/bench_vs_hf.py --skip-hf --batches 1 --measure-bandwidth --async-scheduling --repeats 10
 
 `--repeats N` runs jaxserve N times per batch, each run with its own bandwidth measurement; a row holds the
-medians (TPOT, end to end, TPOT / floor each on its own) and every run under "runs". HF runs once a batch.
+medians (TPOT, end to end, TPOT / floor each on its own) and every run under "runs". HF runs once a batch,
+after all of jaxserve's runs, in the same process.
 """
 
 from __future__ import annotations
@@ -100,9 +101,10 @@ def main() -> None:
     llm = LLM(model=args.model, max_num_seqs=max(batches), max_num_batched_tokens=2048, chunk_size=512,
               async_scheduling=args.async_scheduling)
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
-    hf = None if args.skip_hf else hf_model(spec, args.threads)
-    for b in batches:
-        prompts = [rng.integers(0, 256, args.prompt_len).tolist() for _ in range(b)]
+    prompt_sets = [[rng.integers(0, 256, args.prompt_len).tolist() for _ in range(b)] for b in batches]
+    # jaxserve's runs first, then HF's: with HF's torch model built in the process first, jaxserve's one-request
+    # TPOT was 19.9 ms (`reports/bench_vs_hf_s25.json`) against 17.6 ms with it built after (`_s26`; BUILD.md).
+    for b, prompts in zip(batches, prompt_sets, strict=True):
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # same shapes, warm
         runs = []
         for _ in range(args.repeats):
@@ -123,15 +125,19 @@ def main() -> None:
         row = {"batch": b, **{k: float(np.median([r[k] for r in runs])) for k in runs[0]}}
         if len(runs) > 1:
             row["runs"] = runs
-        wall = row["jaxserve_e2e_s"]
-        if hf is not None:
+        rows.append(row)
+        if args.skip_hf:
+            print(json.dumps(row), flush=True)
+    if not args.skip_hf:
+        del llm
+        hf = hf_model(spec, args.threads)
+        for row, prompts in zip(rows, prompt_sets, strict=True):
             hf_run(hf, prompts, 2)  # warm
             e2e = hf_run(hf, prompts, args.new_tokens)
             prefill = hf_run(hf, prompts, 1)
             row.update(hf_e2e_s=e2e, hf_tpot_ms=(e2e - prefill) / (args.new_tokens - 1) * 1e3,
-                       hf_tokens_per_s=b * args.new_tokens / e2e, speedup_e2e=e2e / wall)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+                       hf_tokens_per_s=row["batch"] * args.new_tokens / e2e, speedup_e2e=e2e / row["jaxserve_e2e_s"])
+            print(json.dumps(row), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"model": args.model, "async_scheduling": args.async_scheduling,
