@@ -102,6 +102,8 @@ def main() -> None:
                                  (runner, "_device_inputs", "step inputs"),
                                  (runner, "dispatch", "dispatch (inputs + both calls)"),
                                  (runner, "_forward", "forward call"),
+                                 *([(runner, "_forward_wide", "forward call")]
+                                   if runner._forward_wide is not runner._forward else []),
                                  (runner, "_sample", "sampler call"),
                                  (runner, "collect", "collect (less the wait)"),
                                  (engine.scheduler, "update_after_step", "scheduler update"),

@@ -159,11 +159,11 @@ void BcastBand(const Problem& p, const float* xt, int64_t n0, int64_t n1) {
 }
 
 // One row of x against w [K, N] (a decode step of one request): w's rows are cut into up to kRowParts contiguous
-// runs of at least kMinPartRows rows, each summed into its own partial y and the partials added at the end. Every
-// read of w is then one long sequential stream, where column bands cut each of w's rows into one short run per
-// thread (`small`'s 48 projections at one row: 11.8 -> 11.1 ms, BUILD.md). And with more parts than threads, a
-// thread the OS takes away for a while (the engine's Python thread shares the cores under asynchronous
-// scheduling) holds up only the part it claimed, not half the matrix.
+// runs of at least kMinPartRows rows, claimed by the threads one at a time, each summed into its own partial y,
+// and the partials added at the end. With more parts than threads, a thread the OS takes away for a while (the
+// engine's Python thread shares the cores under asynchronous scheduling) holds up only the part it claimed, not
+// half the matrix: one-request steps 16.64 -> 16.16 ms with asynchronous scheduling, the same without (BUILD.md,
+// "One-row projections in parts").
 constexpr int kRowParts = 16;
 constexpr int kMinPartRows = 32;
 // Bands of w's rows per thread for x @ w^T: its bands are contiguous in memory however many there are, and more
