@@ -2,6 +2,7 @@
 
     python scripts/trace_step.py --model small --batch 1
     python scripts/trace_step.py --model small --batch 16 --prompt-len 512
+    python scripts/trace_step.py --model small --prefills 16x128,8x256,4x512,2x1024,1x2048,1x3072
 
 Runs `--batch` requests to steady decode, traces `--steps` engine steps and reads the trace back (XLA's CPU
 runtime records every thunk). Prints, per step (medians): the forward's and the sampler's executions, the
@@ -9,6 +10,11 @@ forward's time in each kind of kernel call of a layer (the qkv, o, gate/up and d
 bandwidth each reached, and attention), in its other thunks and between thunks, the gap between the forward's
 end and the sampler's start, and how late XLA's other intra-op thread started on each projection (it sleeps
 when idle; a call runs on the calling thread until the other one joins). CPU only, with jaxserve's kernels.
+
+With `--prefills COUNTxTOKENS,...` it traces one prefill step of each case instead (the report's engine, as
+`bench_prefill_steps.py` runs it) and splits the forward into the attention kernel's calls and the rest; from
+three cases on, it fits attention = a * query-key pairs * layers + b * tokens * layers + c, the split the
+planner's step model assumes.
 """
 
 from __future__ import annotations
@@ -51,12 +57,71 @@ def helper_starts(profile) -> list[int]:
                   if e.name == "ThreadpoolListener::StartRegion")
 
 
+def traced(step) -> jax.profiler.ProfileData:
+    """Run `step()` under jax.profiler and read the trace back."""
+    folder = tempfile.mkdtemp(prefix="jaxserve-trace-")
+    jax.profiler.start_trace(folder)
+    step()
+    jax.profiler.stop_trace()
+    return jax.profiler.ProfileData.from_file(glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)[0])
+
+
+def trace_prefills(ap: argparse.ArgumentParser, model: str, cases: list[tuple[int, int]]) -> None:
+    """One traced prefill step per case: the forward, its attention calls, the rest; then the attention fit."""
+    from jaxserve.engine import LLMEngine
+    from jaxserve.report import ReportConfig
+    from jaxserve.sampling_params import SamplingParams
+
+    engine = LLMEngine(ReportConfig(model=model).engine_config())
+    if any(c * n > engine.config.max_num_batched_tokens or c > engine.config.max_num_seqs for c, n in cases):
+        ap.error(f"a case exceeds one step ({engine.config.max_num_batched_tokens} tokens, "
+                 f"{engine.config.max_num_seqs} sequences)")
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    layers = engine.spec.num_layers
+
+    def prefill(count: int, n: int) -> None:
+        for _ in range(count):
+            engine.add_request(f"t{rng.integers(1 << 62)}", rng.integers(1, engine.spec.vocab_size, n).tolist(),
+                               params)
+        engine.step()
+
+    print(f"{model}, one prefill step per case (the report's engine); the forward's attention calls and the rest:")
+    rows = []
+    for count, n in cases:
+        prefill(count, n)  # compiles nothing new after warm-up; a first pass at these shapes all the same
+        while engine.has_unfinished_requests():
+            engine.step()
+        profile = traced(lambda count=count, n=n: prefill(count, n))
+        while engine.has_unfinished_requests():
+            engine.step()
+        start, dur = max(((e.start_ns, e.duration_ns) for plane in profile.planes for line in plane.lines
+                          if line.name.startswith("tf_XLAPjRt") for e in line.events
+                          if e.name.startswith("ThunkExecutor::Execute")), key=lambda e: e[1])  # the forward
+        calls = sum(e.duration_ns for plane in profile.planes for line in plane.lines
+                    if line.name.startswith("tf_XLA") for e in line.events
+                    if e.name.startswith("ffi_call") and start <= e.start_ns < start + dur)
+        pairs = count * n * (n + 1) / 2
+        rows.append((pairs * layers, count * n * layers, calls / 1e6))
+        print(f"  {count:3d} x {n:5d}: forward {dur / 1e6:8.1f} ms, attention {calls / 1e6:7.1f} ms, "
+              f"the rest {(dur - calls) / 1e6:8.1f} ms")
+    if len(rows) >= 3:
+        a = np.array([[p, t, 1.0] for p, t, _ in rows])
+        y = np.array([ms for *_, ms in rows])
+        (per_pair, per_token, const), *_ = np.linalg.lstsq(a, y, rcond=None)
+        print(f"  attention ~ {per_pair * 1e6:.2f} ns a pair and layer + {per_token * 1e3:.2f} us a token and layer "
+              f"+ {const:.1f} ms; fit against measured: "
+              + ", ".join(f"{c}x{n} {f:.0f}/{m:.0f}" for (c, n), f, m in zip(cases, a @ (per_pair, per_token, const),
+                                                                                y, strict=True)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="small")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--prefills", default="", help="COUNTxTOKENS prompts per step, comma separated")
     args = ap.parse_args()
 
     from jaxserve.engine import LLMEngine
@@ -66,6 +131,12 @@ def main() -> None:
 
     if jax.default_backend() != "cpu" or not cpu_kernels.available():
         ap.error("this trace reads jaxserve's CPU kernels: it needs a CPU and the kernels built")
+    if args.prefills:
+        try:
+            cases = [(int(c), int(n)) for c, n in (case.split("x") for case in args.prefills.split(","))]
+        except ValueError:
+            ap.error(f"--prefills takes COUNTxTOKENS,...; got {args.prefills!r}")
+        return trace_prefills(ap, args.model, cases)
     engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=max(16, args.batch), warmup=False))
     params = SamplingParams(temperature=0, max_tokens=args.steps + 64, ignore_eos=True)
     for i in range(args.batch):
