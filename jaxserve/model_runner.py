@@ -74,7 +74,7 @@ def default_token_ladder(limit: int) -> tuple[int, ...]:
     20 decodes ran the `small` forward in 30.2 ms at a 24-token bucket against 34.4 ms at 32 (BUILD.md); above
     256 a prefill step is compute-bound and every padded token costs as much as a real one. A multi-turn turn
     of 257 new tokens beside 3 decodes ran at 320 with quarter-octave steps; at 288 it pads 11%, not 23%. Each
-    bucket is one more compile at start-up (~0.7 s for `small` on a CPU, less from the compilation cache)."""
+    bucket is one more compile at start-up (`small`: 37 variants, 18 s with a warm compilation cache; BUILD.md)."""
     out = {b for b in half_octave_ladder(limit, start=16) if b <= 256}
     b = 256
     while b < limit:
@@ -373,7 +373,7 @@ def _trash_prefill(num_tokens: int, page_size: int, max_seqs: int = 1, max_len: 
 
 def _to_host(xs: Sequence[jax.Array]) -> list[np.ndarray]:
     """Replicated device arrays on the host, in one transfer (this process's copies when the mesh spans
-    processes): one `device_get` per array cost ~45 us each on a CPU."""
+    processes): one `device_get` for all, not one per array."""
     if all(x.is_fully_addressable for x in xs):
         return [np.asarray(x) for x in jax.device_get(list(xs))]
     return [np.asarray(x.addressable_data(0)) for x in xs]

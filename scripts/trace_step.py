@@ -69,6 +69,7 @@ def traced(step) -> jax.profiler.ProfileData:
 def trace_prefills(ap: argparse.ArgumentParser, model: str, cases: list[tuple[int, int]]) -> None:
     """One traced prefill step per case: the forward, its attention calls, the rest; then the attention fit."""
     from jaxserve.engine import LLMEngine
+    from jaxserve.model import cpu_matmul
     from jaxserve.report import ReportConfig
     from jaxserve.sampling_params import SamplingParams
 
@@ -76,6 +77,8 @@ def trace_prefills(ap: argparse.ArgumentParser, model: str, cases: list[tuple[in
     if any(c * n > engine.config.max_num_batched_tokens or c > engine.config.max_num_seqs for c, n in cases):
         ap.error(f"a case exceeds one step ({engine.config.max_num_batched_tokens} tokens, "
                  f"{engine.config.max_num_seqs} sequences)")
+    if any(c * n <= cpu_matmul.MAX_ROWS for c, n in cases):  # their projections are custom calls too
+        ap.error(f"a case of at most {cpu_matmul.MAX_ROWS} tokens would count its projections as attention")
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     rng = np.random.default_rng(0)
     layers = engine.spec.num_layers
@@ -89,7 +92,7 @@ def trace_prefills(ap: argparse.ArgumentParser, model: str, cases: list[tuple[in
     print(f"{model}, one prefill step per case (the report's engine); the forward's attention calls and the rest:")
     rows = []
     for count, n in cases:
-        prefill(count, n)  # compiles nothing new after warm-up; a first pass at these shapes all the same
+        prefill(count, n)  # an untraced step of the same shape first: the traced one is never its first run
         while engine.has_unfinished_requests():
             engine.step()
         profile = traced(lambda count=count, n=n: prefill(count, n))
@@ -146,12 +149,7 @@ def main() -> None:
         engine.step()
     for _ in range(5):
         engine.step()
-    folder = tempfile.mkdtemp(prefix="jaxserve-trace-")
-    jax.profiler.start_trace(folder)
-    for _ in range(args.steps):
-        engine.step()
-    jax.profiler.stop_trace()
-    profile = jax.profiler.ProfileData.from_file(glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)[0])
+    profile = traced(lambda: [engine.step() for _ in range(args.steps)])
 
     spec = engine.spec
     h, d = spec.hidden_size, spec.head_dim

@@ -188,7 +188,10 @@ void RowPart(const Problem& p, int64_t k0, int64_t k1, float* y) {
 
 ffi::Error RunOneRow(ffi::ThreadPool& pool, const Problem& p) {
   const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kRowParts, p.k / kMinPartRows)));
-  std::vector<float> partial((parts - 1) * p.n);  // part 0 sums into y itself
+  // Part 0 sums into y itself, the others into this buffer, kept per calling thread so that a decode step's 48
+  // projections neither allocate nor clear it (each part clears its own rows).
+  thread_local std::vector<float> partial;
+  if (partial.size() < static_cast<size_t>((parts - 1) * p.n)) partial.resize((parts - 1) * p.n);
   float* y = p.y;
   float* rest = partial.data();
   jaxserve::ParallelFor(pool, parts, pool.num_threads(), [p, parts, y, rest](int i) {
