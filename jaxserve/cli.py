@@ -11,9 +11,9 @@ import sys
 import click
 
 from jaxserve.bench.cli import bench
-from jaxserve.calibrate import calibrate_command
-from jaxserve.engine_args import build_engine, config_from_options, engine_options
-from jaxserve.report import report_command
+from jaxserve.calibrate.calibrate import calibrate_command
+from jaxserve.engine.args import build_engine, config_from_options, engine_options
+from jaxserve.report.report import report_command
 from jaxserve.server.cli import serve
 from planner.cli import plan
 
@@ -45,7 +45,7 @@ cli.add_command(report_command)
 def generate(prompt: str, token_ids: bool, max_tokens: int, temperature: float, top_p: float, top_k: int,
              min_p: float, ignore_eos: bool, stop: tuple[str, ...], **options) -> None:
     """Generate one completion and stream its text to the terminal."""
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.core.sampling_params import SamplingParams
 
     config = config_from_options(options)
     try:

@@ -33,8 +33,8 @@ SMALL_CHUNK_ROWS = 32
 ATTENTION_SMALL = "attention_small"
 # GEMMs of at most this many rows (the projections of steps of at most this many tokens, the LM head of at most
 # this many sequences) are priced apart where a profile says so (`gemm_small_eff_scale` > 0): on a CPU jaxserve
-# runs them in its own matmul kernel (`jaxserve.model.cpu_matmul.MAX_ROWS` is this constant), whose FLOP rate does
-# not ramp with the rows the way a GEMM library's does; from there on XLA's GEMM takes them.
+# runs them in its own matmul kernel (`jaxserve.model.kernels.cpu_matmul.MAX_ROWS` is this constant), whose
+# FLOP rate does not ramp with the rows the way a GEMM library's does; from there on XLA's GEMM takes them.
 SMALL_GEMM_ROWS = 32
 # The LM head's op: on a CPU its kernel reads the embedding at the memory's rate and adds little compute per row,
 # unlike the projections', so a profile may price its small-row FLOPs apart (`head_small_eff_scale`).

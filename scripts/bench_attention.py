@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.model.metadata import AttentionMetadata
-from jaxserve.model.paged_attention import (
+from jaxserve.model.attention.metadata import AttentionMetadata
+from jaxserve.model.attention.paged_attention import (
     DEFAULT_DECODE_KV_BLOCK,
     DEFAULT_DECODE_TAIL_BLOCK,
     default_q_blocks,

@@ -24,9 +24,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
-    from jaxserve.engine import LLMEngine
-    from jaxserve.engine_config import EngineConfig
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.core.engine_config import EngineConfig
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=16, max_num_batched_tokens=512, chunk_size=512))
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)

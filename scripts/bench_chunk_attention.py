@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from bench_attention import best_time, make_case  # scripts/ is on the path when a script runs
 
-from jaxserve.model.metadata import AttentionMetadata
-from jaxserve.model.paged_attention import default_q_blocks, paged_attention
+from jaxserve.model.attention.metadata import AttentionMetadata
+from jaxserve.model.attention.paged_attention import default_q_blocks, paged_attention
 from planner.model_spec import PRESETS
 
 

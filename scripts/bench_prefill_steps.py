@@ -28,9 +28,9 @@ def main() -> None:
 
     import numpy as np
 
-    from jaxserve.engine import LLMEngine
-    from jaxserve.report import ReportConfig
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.report.report import ReportConfig
     from planner.api import predict_step
 
     cases = {c: [int(c.split("x")[1])] * int(c.split("x")[0]) for c in args.cases.split(",")}

@@ -86,8 +86,8 @@ def main() -> None:
 
     from jaxserve.bench.datasets import DatasetConfig, generate
     from jaxserve.bench.load import LoadConfig, run_engine
-    from jaxserve.engine import LLMEngine
-    from jaxserve.engine_config import EngineConfig
+    from jaxserve.core.engine_config import EngineConfig
+    from jaxserve.engine.llm_engine import LLMEngine
 
     workloads = {
         "multi-turn": (DatasetConfig(name="multi-turn", num_prompts=args.conversations * args.turns,

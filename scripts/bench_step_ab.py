@@ -4,7 +4,7 @@
     python scripts/bench_step_ab.py --base eba4aed~1 --batch 16 --modes sync
 
 `--base REV`'s `cpu_matmul.cc` (with its headers, from `git show`) is built into a library of its own and
-registered under targets of its own; engines traced while `jaxserve.model.cpu_matmul`'s targets name them run
+registered under targets of its own; engines traced while `jaxserve.model.kernels.cpu_matmul`'s targets name them run
 REV's matmuls, everything else the working tree's. Each variant (base or working tree) and mode (synchronous or
 asynchronous scheduling) is one engine (`--model`, float32, a 256 MiB KV pool) with `--batch` requests decoding
 after `--prompt-len`-token prompts. Rounds alternate the engines and time `--steps` steps each, so a machine
@@ -25,10 +25,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxserve.engine import LLMEngine
-from jaxserve.engine_config import EngineConfig
-from jaxserve.model import cpu_kernels, cpu_matmul
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.engine_config import EngineConfig
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.model.kernels import cpu_kernels, cpu_matmul
 
 MATMUL_FILES = ("cpu_matmul.cc", "cpu_pool.h", "cpu_vec.h")
 

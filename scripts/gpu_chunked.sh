@@ -27,10 +27,10 @@ import json
 import sys
 import time
 
-from jaxserve.calibrate import calibrate, planner_dtype
-from jaxserve.engine import LLMEngine
-from jaxserve.report import Context
-from jaxserve.report_chunked import run_chunked
+from jaxserve.calibrate.calibrate import calibrate, planner_dtype
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.report.report import Context
+from jaxserve.report.chunked import run_chunked
 from scripts.gpu_config import report_config
 
 out, model, dtype, kv_gib = sys.argv[1:5]

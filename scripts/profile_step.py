@@ -59,10 +59,10 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true", help="also time the host's parts of a step")
     args = ap.parse_args()
 
-    from jaxserve.engine import LLMEngine
-    from jaxserve.engine_config import EngineConfig
-    from jaxserve.sampler import SamplingArrays
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.core.engine_config import EngineConfig
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.runner.sampler import SamplingArrays
 
     kv = None if args.kv_cache_gib is None else int(args.kv_cache_gib * 2**30)
     # No warm-up: the untimed steps below compile the only buckets this run uses (prefill, decode).
@@ -121,7 +121,7 @@ def main() -> None:
 
     batch = engine.scheduler.schedule()
     sampling = SamplingArrays.build([(params, 0, 0)] * batch.num_seqs, runner.sampling_bucket(batch.num_seqs))
-    from jaxserve.model_runner import bucket_for
+    from jaxserve.runner.model_runner import bucket_for
 
     packed = runner._device_inputs(batch, bucket_for(batch.num_tokens, runner.token_buckets))
     rows = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed, sampling.step,

@@ -144,14 +144,15 @@ if __name__ == "__main__":
     elif mode == "tp-batched-decode":  # the GPU decode path ("batched"), forced on CPU
         import functools
 
-        from jaxserve.model import llama, paged_attention
+        from jaxserve.model import llama
+        from jaxserve.model.attention import paged_attention
 
         llama.paged_attention = functools.partial(paged_attention.paged_attention, decode_mode="batched")
         print(json.dumps(run_tp([int(x) for x in rest])))
     elif mode == "tp-async":  # asynchronous scheduling on a mesh, every step overlapped (as on a GPU)
-        import jaxserve.engine
+        import jaxserve.engine.llm_engine
 
-        jaxserve.engine.CPU_OVERLAP_MAX_TOKENS = 10**9
+        jaxserve.engine.llm_engine.CPU_OVERLAP_MAX_TOKENS = 10**9
         print(json.dumps(run_tp([int(x) for x in rest], async_scheduling=True)))
     elif mode == "tp-checkpoint":
         print(json.dumps(run_tp_checkpoint([int(x) for x in rest])))

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxserve.batch import RaggedBatch
-from jaxserve.kv_cache_manager import KVCacheManager
-from jaxserve.request import Request
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import Scheduler, SchedulerConfig
+from jaxserve.core.batch import RaggedBatch
+from jaxserve.core.request import Request
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.scheduler import Scheduler, SchedulerConfig
+from jaxserve.kv.cache_manager import KVCacheManager
 
 VOCAB = 50
 

@@ -10,9 +10,9 @@ import random
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
-from jaxserve.engine_config import EngineConfig
-from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.engine_config import EngineConfig
+from jaxserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.core.sampling_params import SamplingParams
 
 
 class ByteTokenizer:

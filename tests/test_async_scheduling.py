@@ -5,9 +5,9 @@ hits, preemption and aborts behave as in the synchronous engine (the session's `
 import numpy as np
 import pytest
 
-import jaxserve.engine
+import jaxserve.engine.llm_engine
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine_config import EngineConfig
+from jaxserve.core.engine_config import EngineConfig
 from tests.conftest import TINY_ENGINE_ARGS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -17,7 +17,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 def overlap_every_step(monkeypatch):
     """Overlap wide steps too (on a CPU the engine collects steps wider than CPU_OVERLAP_MAX_TOKENS at once), so
     the placeholder path runs under every batch these tests make."""
-    monkeypatch.setattr(jaxserve.engine, "CPU_OVERLAP_MAX_TOKENS", 10**9)
+    monkeypatch.setattr(jaxserve.engine.llm_engine, "CPU_OVERLAP_MAX_TOKENS", 10**9)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 @pytest.mark.parametrize("overlap_max_tokens", [10**9, 8])  # every step overlapped; the CPU rule
 def test_tokens_match_the_synchronous_engine_in_a_mixed_batch(tiny_llm, async_llm, monkeypatch, overlap_max_tokens):
-    monkeypatch.setattr(jaxserve.engine, "CPU_OVERLAP_MAX_TOKENS", overlap_max_tokens)
+    monkeypatch.setattr(jaxserve.engine.llm_engine, "CPU_OVERLAP_MAX_TOKENS", overlap_max_tokens)
     batch = prompts(16, seed=10)
     params = [SamplingParams(temperature=0, max_tokens=1 + i * 3 % 29, ignore_eos=True) if i % 3 else
               SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=20, ignore_eos=True) for i in range(16)]
@@ -108,7 +108,7 @@ def test_nothing_compiles_after_warmup_with_async_scheduling():
 
 
 def test_on_a_cpu_wide_steps_are_collected_at_once_and_narrow_ones_overlap(async_llm, monkeypatch):
-    monkeypatch.setattr(jaxserve.engine, "CPU_OVERLAP_MAX_TOKENS", 8)
+    monkeypatch.setattr(jaxserve.engine.llm_engine, "CPU_OVERLAP_MAX_TOKENS", 8)
     engine = async_llm.engine
     engine.add_request("wide", list(range(1, 41)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     engine.step()  # the 40-token prefill: collected in the same call
@@ -132,7 +132,7 @@ def test_streaming_engine_with_async_scheduling_streams_and_aborts(tiny_llm):
     and a client that stops reading mid-stream aborts its request without disturbing the others."""
     import asyncio
 
-    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine(EngineConfig(model="tiny", async_scheduling=True, **TINY_ENGINE_ARGS))
     engine.start()
@@ -168,7 +168,7 @@ def test_a_wide_step_after_an_overlapped_one_whose_request_stops(tiny_llm, monke
     """The CPU rule's hand-over: a request stops on a token drawn by an overlapped (narrow) step while the next
     step, wide because a new prompt arrived, already holds it. Every arrival point is tried, each with a fresh
     prompt (a cached one would make the step narrow)."""
-    monkeypatch.setattr(jaxserve.engine, "CPU_OVERLAP_MAX_TOKENS", 8)
+    monkeypatch.setattr(jaxserve.engine.llm_engine, "CPU_OVERLAP_MAX_TOKENS", 8)
     free = tiny_llm.generate([[3, 1, 4, 1, 5]], GREEDY)[0].token_ids
     stopping = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[free[3]])
     expected_a = free[: free.index(free[3]) + 1]

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.batch import build_ragged_batch
-from jaxserve.request import Request
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.batch import build_ragged_batch
+from jaxserve.core.request import Request
+from jaxserve.core.sampling_params import SamplingParams
 
 
 def reference_layout(scheduled: list[tuple[Request, int]], page_size: int) -> dict[str, np.ndarray]:

@@ -5,8 +5,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from jaxserve.calibrate import CalibrationConfig, calibrate
-from jaxserve.calibrate_steps import step_budget
+from jaxserve.calibrate.calibrate import CalibrationConfig, calibrate
+from jaxserve.calibrate.steps import step_budget
 from planner.hardware import load_hardware
 
 

@@ -17,9 +17,10 @@ import pytest
 from click.testing import CliRunner
 
 from jaxserve import LLM
-from jaxserve.engine_args import config_from_options, engine_options
-from jaxserve.model import cpu_attention, cpu_kernels, cpu_matmul
-from jaxserve.model_runner import _trash_prefill
+from jaxserve.engine.args import config_from_options, engine_options
+from jaxserve.model.attention import cpu_attention
+from jaxserve.model.kernels import cpu_kernels, cpu_matmul
+from jaxserve.runner.model_runner import _trash_prefill
 from tests.conftest import TINY_ENGINE_ARGS
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.engine_config import EngineConfig
-from jaxserve.pool_stats import PoolStep, overlap_fractions
+from jaxserve.core.engine_config import EngineConfig
+from jaxserve.engine.pool_stats import PoolStep, overlap_fractions
 from planner.memory import kv_bytes_per_token
 from planner.model_spec import load_model_spec
 from tests.test_tensor_parallel import run_driver
@@ -115,7 +115,7 @@ def test_config_checks():
 
 
 def test_too_few_devices_is_a_clear_error():
-    from jaxserve.disaggregated import create_engine
+    from jaxserve.engine.factory import create_engine
 
     with pytest.raises(ValueError, match="needs 2 devices"):
         create_engine(EngineConfig(disaggregate=True, warmup=False))

@@ -7,9 +7,9 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.kv_cache_manager import KVCacheManager
-from jaxserve.request import Request
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.request import Request
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.kv.cache_manager import KVCacheManager
 
 PS = 4
 

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.model import cpu_kernels, cpu_matmul
+from jaxserve.model.kernels import cpu_kernels, cpu_matmul
 from jaxserve.model.llama import CPU_EIGEN_MAX_ROWS, RMSNorm, linear
-from jaxserve.model_runner import CPU_SEPARATE_DOTS_ABOVE, CPU_SEPARATE_DOTS_OPTIONS
+from jaxserve.runner.model_runner import CPU_SEPARATE_DOTS_ABOVE, CPU_SEPARATE_DOTS_OPTIONS
 
 
 @pytest.mark.parametrize("rows", [1, 2, CPU_EIGEN_MAX_ROWS, CPU_EIGEN_MAX_ROWS + 8, 64])

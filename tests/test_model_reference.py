@@ -17,8 +17,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from jaxserve.model.attention.metadata import AttentionMetadata  # noqa: E402
 from jaxserve.model.llama import init_kv_cache  # noqa: E402
-from jaxserve.model.metadata import AttentionMetadata  # noqa: E402
 from jaxserve.model.weights import load_hf_checkpoint  # noqa: E402
 from planner.model_spec import load_model_spec  # noqa: E402
 

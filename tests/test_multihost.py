@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxserve.batch import RaggedBatch
-from jaxserve.distributed import pack, unpack
-from jaxserve.sampler import SamplingArrays
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.batch import RaggedBatch
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.runner.distributed import pack, unpack
+from jaxserve.runner.sampler import SamplingArrays
 
 DRIVER = Path(__file__).with_name("multihost_driver.py")
 

@@ -11,9 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxserve.model import cpu_kernels
-from jaxserve.model.metadata import AttentionMetadata
-from jaxserve.model.paged_attention import (
+from jaxserve.model.attention.metadata import AttentionMetadata
+from jaxserve.model.attention.paged_attention import (
     DEFAULT_Q_BLOCKS,
     _block_sizes,
     _cover,
@@ -21,6 +20,7 @@ from jaxserve.model.paged_attention import (
     paged_attention,
     write_kv,
 )
+from jaxserve.model.kernels import cpu_kernels
 
 jax.config.update("jax_enable_x64", False)
 

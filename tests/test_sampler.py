@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.sampler import SamplingArrays, sample_tokens
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.runner.sampler import SamplingArrays, sample_tokens
 
 sample = jax.jit(sample_tokens)
 
@@ -94,7 +94,7 @@ def test_logprobs_are_of_the_model_distribution(logits):
 def test_the_cpu_search_cuts_where_the_sort_does(vocab):
     """The sort-free filter (CPU) keeps the sort's tokens: exactly for top-k and min-p; for top-p up to float
     rounding of the cumulative mass, which moves only tokens of negligible probability."""
-    from jaxserve.sampler import _filter_threshold, _filter_threshold_search
+    from jaxserve.runner.sampler import _filter_threshold, _filter_threshold_search
 
     rng = np.random.default_rng(vocab)
     for _ in range(10):

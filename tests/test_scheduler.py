@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.kv_cache_manager import KVCacheManager
-from jaxserve.request import RequestStatus
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import Scheduler, SchedulerConfig, check_token_stop
+from jaxserve.core.request import RequestStatus
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.scheduler import Scheduler, SchedulerConfig, check_token_stop
+from jaxserve.kv.cache_manager import KVCacheManager
 from tests.scheduler_driver import VOCAB, Driver, make_request, make_scheduler, outputs_of
 
 # ---- examples ---------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import openai
 import pytest
 from server_helpers import LiveServer, sample, scrape, wait_until
 
-from jaxserve.engine_config import EngineConfig
+from jaxserve.core.engine_config import EngineConfig
 
 SERVER_ENGINE_ARGS = dict(max_num_seqs=64, max_num_batched_tokens=256, chunk_size=64, page_size=16,
                           kv_cache_memory=16 * 2**20, max_model_len=2048)
@@ -24,7 +24,7 @@ GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 
 @pytest.fixture(scope="module")
 def server():
-    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.engine.async_engine import AsyncEngine
     from jaxserve.server.app import build_app
 
     engine = AsyncEngine(EngineConfig(model="tiny", **SERVER_ENGINE_ARGS))

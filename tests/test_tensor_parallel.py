@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxserve.parallel import check_tp, effective_spec
+from jaxserve.runner.parallel import check_tp, effective_spec
 from planner.memory import kv_heads_per_device, kv_pool_pages
 from planner.model_spec import load_model_spec
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.tokenizer import (
+from jaxserve.core.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     IncrementalDetokenizer,

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from jaxserve.bench.datasets import DATASETS
-from jaxserve.engine_args import build_engine, config_from_options, engine_options
+from jaxserve.engine.args import build_engine, config_from_options, engine_options
 from jaxserve.output_paths import check_writable
 
 

@@ -35,7 +35,7 @@ class LoadConfig:
 
     def sampling(self, max_tokens: int):
         """The requests' SamplingParams (exact lengths: ignore_eos)."""
-        from jaxserve.sampling_params import SamplingParams
+        from jaxserve.core.sampling_params import SamplingParams
 
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                               max_tokens=max_tokens, ignore_eos=True)

@@ -17,9 +17,9 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from jaxserve.model import cpu_matmul
-from jaxserve.model.metadata import AttentionMetadata
-from jaxserve.model.paged_attention import paged_attention, write_kv
+from jaxserve.model.attention.metadata import AttentionMetadata
+from jaxserve.model.attention.paged_attention import paged_attention, write_kv
+from jaxserve.model.kernels import cpu_matmul
 from jaxserve.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from planner.memory import kv_bytes_per_token
 from planner.model_spec import ModelSpec

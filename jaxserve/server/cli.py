@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from jaxserve.engine_args import config_from_options, engine_options
+from jaxserve.engine.args import config_from_options, engine_options
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -52,7 +52,7 @@ def serve(host: str, port: int, served_model_name: str | None, log_interval: flo
 
     import uvicorn
 
-    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.engine.async_engine import AsyncEngine
     from jaxserve.server.app import build_app
 
     t0 = time.monotonic()

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from jaxserve.outputs import RequestOutput, StepStats
+from jaxserve.core.outputs import RequestOutput, StepStats
 
 logger = logging.getLogger("jaxserve.server")
 

@@ -17,9 +17,9 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxserve.engine import context_length_error
-from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine.llm_engine import context_length_error
 from jaxserve.server.protocol import (
     ChatChoice,
     ChatCompletionRequest,

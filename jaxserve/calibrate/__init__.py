@@ -1,0 +1,1 @@
+"""`jaxserve calibrate`: microbenchmarks and engine steps that fit the planner's coefficients to this machine."""

@@ -1,0 +1,84 @@
+"""The one ragged batch format that goes from the scheduler to the jitted step.
+
+Sequences are ordered decodes first, then prefill chunks. All arrays are host numpy, unpadded; the model
+runner pads them into its bucket shapes. Token t of sequence s sits at flat index cu_q_lens[s] + i with
+position kv_lens[s] - q_len[s] + i; its KV goes to slot slot_mapping[t] = page * page_size + offset.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxserve.core.request import Request
+
+
+@dataclass
+class RaggedBatch:
+    """One engine step's work."""
+
+    requests: list[Request]  # S sequences, decodes first
+    num_decodes: int
+    token_ids: np.ndarray  # [T] int32
+    positions: np.ndarray  # [T] int32
+    cu_q_lens: np.ndarray  # [S+1] int32, query starts into the flat token arrays
+    kv_lens: np.ndarray  # [S] int32, context length including this step's tokens
+    page_table: np.ndarray  # [S, max_pages] int32, unused entries 0 (the trash page)
+    slot_mapping: np.ndarray  # [T] int32
+    logits_indices: np.ndarray  # [S] int32, flat index of each sequence's last token
+    samples: np.ndarray  # [S] bool, whether the sequence draws a token this step
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decodes
+
+
+def build_ragged_batch(scheduled: list[tuple[Request, int]], num_decodes: int, page_size: int) -> RaggedBatch:
+    """Lay out `(request, num_new_tokens)` pairs (decodes first) as flat arrays.
+
+    Each request must already hold pages for `num_computed_tokens + num_new_tokens` tokens.
+    """
+    num_seqs = len(scheduled)
+    q_lens = np.fromiter((n for _, n in scheduled), dtype=np.int32, count=num_seqs)
+    starts = np.fromiter((r.num_computed_tokens for r, _ in scheduled), dtype=np.int32, count=num_seqs)
+    num_pages = np.fromiter((len(r.page_ids) for r, _ in scheduled), dtype=np.int32, count=num_seqs)
+    kv_lens = starts + q_lens
+    for s in np.flatnonzero(num_pages * page_size < kv_lens):
+        req = scheduled[s][0]
+        raise ValueError(f"request {req.request_id} holds {len(req.page_ids)} pages for {kv_lens[s]} tokens")
+    cu = np.zeros(num_seqs + 1, dtype=np.int32)
+    np.cumsum(q_lens, out=cu[1:])
+    tokens: list[int] = []
+    for (req, _), start, end in zip(scheduled, starts.tolist(), kv_lens.tolist(), strict=True):
+        tokens += _token_slice(req, start, end)
+    token_ids = np.array(tokens, dtype=np.int32)
+    page_table = np.zeros((num_seqs, max(1, int(num_pages.max(initial=0)))), dtype=np.int32)
+    page_table[np.arange(page_table.shape[1]) < num_pages[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(r.page_ids for r, _ in scheduled), dtype=np.int32, count=int(num_pages.sum()))
+    seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
+    positions = (np.arange(int(cu[-1]), dtype=np.int32) - cu[seq_of_token] + starts[seq_of_token]).astype(np.int32)
+    slot_mapping = page_table[seq_of_token, positions // page_size] * page_size + positions % page_size
+    samples = kv_lens == np.fromiter((r.num_tokens for r, _ in scheduled), dtype=np.int32, count=num_seqs)
+    return RaggedBatch(requests=[r for r, _ in scheduled], num_decodes=num_decodes, token_ids=token_ids,
+                       positions=positions, cu_q_lens=cu, kv_lens=kv_lens, page_table=page_table,
+                       slot_mapping=slot_mapping.astype(np.int32), logits_indices=cu[1:] - 1, samples=samples)
+
+
+def _token_slice(req: Request, start: int, end: int) -> list[int]:
+    """req.all_token_ids[start:end] without concatenating the whole prompt and output."""
+    p = len(req.prompt_token_ids)
+    if end <= p:
+        return req.prompt_token_ids[start:end]
+    if start >= p:
+        return req.output_token_ids[start - p:end - p]
+    return req.prompt_token_ids[start:] + req.output_token_ids[: end - p]

@@ -1,0 +1,342 @@
+"""The synchronous engine: schedule -> run one step -> sample -> check stops -> outputs.
+
+`LLMEngine.step()` is the whole serving loop body; `LLM` drives it to completion for a batch of prompts and
+`AsyncEngine` drives it from a background thread for streaming clients.
+
+With `async_scheduling` the host runs one step ahead of the device (vLLM's async scheduling, SGLang's overlap
+scheduler): each `step()` schedules and dispatches step k, whose decodes read step k-1's tokens on the device
+through placeholders, and only then waits for step k-1 and turns its tokens into outputs. Scheduling, batch
+layout and stop checks overlap the device instead of adding to every step. A request that stops at step k-1 has
+computed one wasted token in step k, which is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxserve.core.batch import RaggedBatch
+from jaxserve.core.engine_config import EngineConfig
+from jaxserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.scheduler import Scheduler, SchedulerConfig
+from jaxserve.core.stop_checker import StopChecker
+from jaxserve.core.tokenizer import load_tokenizer
+from jaxserve.kv.cache_manager import KVCacheManager
+from jaxserve.runner.model_builder import build_model_and_cache
+from jaxserve.runner.model_runner import ModelRunner, default_token_ladder, power_of_two_ladder
+from jaxserve.runner.sampler import SamplingArrays
+from planner.model_spec import load_model_spec
+
+log = logging.getLogger("jaxserve")
+
+# On a CPU the host shares cores with XLA: host work beside a wide step (whose matmuls run on every core) slowed
+# 64-request decoding from 120 to 188 ms per token on the 2-core machine, while one-token steps (single-threaded
+# GEMVs) gained 1-1.5 ms (`python scripts/bench_vs_hf.py --async-scheduling`, BUILD.md). Wider CPU steps therefore
+# run alone, as in the synchronous loop.
+CPU_OVERLAP_MAX_TOKENS = 8
+
+
+def context_length_error(max_model_len: int, prompt_len: int, max_tokens: int) -> str:
+    """vLLM's wording, which clients match on."""
+    return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the completion). "
+            "Please reduce the length of the messages or completion.")
+
+
+@dataclass
+class _Flight:
+    """A dispatched step not yet collected (asynchronous scheduling)."""
+
+    batch: RaggedBatch
+    sampling: SamplingArrays
+    pending: Any
+    placeholders: list[tuple[Request, int, int]] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    """Engine-side companions of a scheduler Request."""
+
+    request: Request
+    prompt: str | None
+    seed: int
+    stops: StopChecker
+    logprobs: list[dict[int, float]] | None = field(default=None)
+
+
+class LLMEngine:
+    """Owns the model runner, the KV cache manager and the scheduler; turns steps into outputs."""
+
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.spec = load_model_spec(config.model)
+        self.tokenizer = load_tokenizer(config.model, self.spec)
+        built = build_model_and_cache(config, self.spec)
+        self.max_model_len = built.max_model_len
+        self.num_pages = built.num_pages
+        self.dtype = built.dtype
+        token_buckets = config.token_buckets or default_token_ladder(config.max_num_batched_tokens)
+        seq_buckets = config.seq_buckets or power_of_two_ladder(config.max_num_seqs)
+        self.runner = ModelRunner(built.model, built.kv_caches, page_size=config.page_size,
+                                  max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
+                                  token_buckets=token_buckets, seq_buckets=seq_buckets,
+                                  cpu_kernels=config.cpu_kernels)
+        self.kv_manager = KVCacheManager(num_pages=self.num_pages, page_size=config.page_size,
+                                         enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            chunk_size=config.chunk_size, page_size=config.page_size, max_model_len=self.max_model_len,
+            enable_prefix_caching=config.enable_prefix_caching, policy=config.scheduling_policy),
+            self.kv_manager)
+        self._tracked: dict[str, _Tracked] = {}
+        self._seed_rng = np.random.default_rng(config.seed)
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_preemptions": 0,
+                         "prefix_cache_queries": 0, "prefix_cache_hits": 0, "steps": 0}
+        self.last_step: StepStats | None = None
+        self._flight: _Flight | None = None
+        if config.warmup:
+            self.runner.warmup()
+
+    # Submission ----------------------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt given as text or ids; text needs a tokenizer."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
+            return self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})")
+        return ids
+
+    def resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        """Completion budget: params.max_tokens, or the rest of the context when None; checked to fit."""
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - prompt_len
+        if max_tokens < 1 or prompt_len + max_tokens > self.max_model_len:
+            raise ValueError(context_length_error(self.max_model_len, prompt_len, max(max_tokens, 0)))
+        return max_tokens
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    prompt_token_ids: list[int] | None = None) -> Request:
+        """Queue a request; raises ValueError (with a client-ready message) when it can never be served."""
+        if request_id in self._tracked:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize_prompt(prompt)
+        max_tokens = self.resolve_max_tokens(len(ids), params)
+        req = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
+                      arrival_time=self.clock() if arrival_time is None else arrival_time,
+                      eos_token_id=self._eos_token_id(), cache_salt=cache_salt, max_tokens=max_tokens)
+        self.scheduler.add_request(req)
+        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**32))
+        self._tracked[request_id] = _Tracked(
+            request=req, prompt=prompt if isinstance(prompt, str) else None, seed=seed,
+            stops=StopChecker(params, self.tokenizer, self.max_model_len),
+            logprobs=[] if params.logprobs is not None else None)
+        self.counters["prompt_tokens"] += len(ids)
+        return req
+
+    def _eos_token_id(self) -> int | None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            return self.tokenizer.eos_token_id
+        return self.spec.eos_token_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its pages; returns its final output, or None if unknown."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return None
+        self.scheduler.abort_request(request_id)
+        req = tracked.request
+        req.status = RequestStatus.FINISHED_ABORTED
+        req.finish_time = self.clock()
+        if req.output_token_ids and req.output_token_ids[-1] < 0:  # the in-flight step's token: dropped
+            req.output_token_ids.pop()
+        return self._output(tracked)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._tracked)
+
+    # The loop body -------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return an output for every request that drew a token or finished.
+
+        With asynchronous scheduling the outputs are those of the step dispatched by the previous call.
+        """
+        if self.config.async_scheduling:
+            return self._step_async()
+        start = self.clock()
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        sampling = self._sampling_for(batch, self.runner)
+        compiles = self.runner.compile_count()
+        result = self.runner.execute(batch, sampling)
+        compiled = self.runner.compile_count() > compiles
+        sampled = np.where(batch.samples, result.tokens, -1)
+        self.scheduler.update_after_step(batch, sampled)
+        now = self.clock()
+        outputs = []
+        for s, req in enumerate(batch.requests):
+            if not batch.samples[s]:
+                continue
+            tracked = self._tracked[req.request_id]
+            try:
+                outputs.append(self._postprocess(tracked, result, s, now))
+            except Exception as e:  # one request's failure (e.g. detokenizing) must not stop the others
+                log.exception("request %s failed", req.request_id)
+                outputs.append(self._fail(tracked, f"internal error: {type(e).__name__}: {e}"))
+        self._record_step(batch, start, compiled)
+        return outputs
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Dispatch step k (its decodes read step k-1's tokens on the device), then collect step k-1.
+
+        A wide step on a CPU runs without overlap: step k-1 is collected first and step k at once.
+        """
+        start = self.clock()
+        batch = self.scheduler.schedule()
+        prev, outputs, self._flight = self._flight, [], None
+        if batch is None:
+            return self._collect_flight(prev) if prev is not None else []
+        sampling = self._sampling_for(batch, self.runner)  # before any collect finishes a request of `batch`
+        overlap = self.runner.platform != "cpu" or batch.num_tokens <= CPU_OVERLAP_MAX_TOKENS
+        if prev is not None and not overlap:
+            outputs = self._collect_flight(prev)
+        compiles = self.runner.compile_count()
+        flight = _Flight(batch, sampling, self.runner.dispatch(batch, sampling, prev.pending if prev else None))
+        compiled = self.runner.compile_count() > compiles
+        if prev is not None and overlap:
+            outputs = self._collect_flight(prev)
+        if not overlap:
+            jax.block_until_ready(flight.pending)  # no host work while a wide step runs on every core
+        flight.placeholders = self.scheduler.advance_after_dispatch(batch)
+        if overlap:
+            self._flight = flight
+        else:
+            outputs += self._collect_flight(flight)
+        self._record_step(batch, start, compiled)  # overlapped: its duration spans the wait for step k-1
+        return outputs
+
+    def _collect_flight(self, flight: _Flight) -> list[RequestOutput]:
+        """Wait for a dispatched step, write its tokens over their placeholders and post-process them."""
+        result = self.runner.collect(flight.pending, flight.batch, flight.sampling)
+        for req, index, s in flight.placeholders:
+            if not req.status.finished:  # an aborted request dropped its placeholder
+                req.output_token_ids[index] = int(result.tokens[s])
+        now = self.clock()
+        outputs = []
+        for req, _, s in flight.placeholders:
+            tracked = self._tracked.get(req.request_id)
+            if tracked is None or tracked.request is not req or req.status.finished:
+                continue  # aborted while in flight
+            try:
+                outputs.append(self._postprocess(tracked, result, s, now))
+            except Exception as e:  # one request's failure (e.g. detokenizing) must not stop the others
+                log.exception("request %s failed", req.request_id)
+                outputs.append(self._fail(tracked, f"internal error: {type(e).__name__}: {e}"))
+        return outputs
+
+    def _sampling_for(self, batch, runner: ModelRunner) -> SamplingArrays:
+        """Stamp first-scheduled times and lay out each sequence's sampling row (params, seed, position)."""
+        now = self.clock()
+        for req in batch.requests:
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+        rows = [(r.sampling_params, self._tracked[r.request_id].seed, len(r.output_token_ids))
+                for r in batch.requests]
+        return SamplingArrays.build(rows, runner.sampling_bucket(batch.num_seqs))
+
+    def _postprocess(self, tracked: _Tracked, result, s: int, now: float) -> RequestOutput:
+        """Stamp a request's new token, record its logprobs, check its stops, and describe it."""
+        req = tracked.request
+        self.counters["generation_tokens"] += 1
+        req.token_times.append(now)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if tracked.logprobs is not None:
+            tracked.logprobs.append(self._logprob_entry(result, s, req.sampling_params.logprobs or 0))
+        finish = tracked.stops.check(req)
+        if finish is not None:
+            status, reason = finish
+            req.stop_reason = reason
+            req.finish_time = now
+            self.scheduler.finish_request(req, status)
+            del self._tracked[req.request_id]
+        return self._output(tracked)
+
+    def _fail(self, tracked: _Tracked, message: str) -> RequestOutput:
+        """Abort a request that hit an internal error; its output carries the error."""
+        out = self.abort_request(tracked.request.request_id) or self._output(tracked)
+        out.error = message
+        return out
+
+    def _logprob_entry(self, result, s: int, k: int) -> dict[int, float]:
+        entry = {int(result.tokens[s]): float(result.logprobs[s])}
+        if k and result.top_ids is not None:
+            entry.update({int(i): float(lp) for i, lp in zip(result.top_ids[s, :k], result.top_logprobs[s, :k],
+                                                               strict=True)})
+        return entry
+
+    def _record_step(self, batch, start: float, compiled: bool) -> None:
+        stats = self.scheduler.stats()
+        self.counters["steps"] += 1
+        self.counters["num_preemptions"] += stats.num_preemptions
+        self.counters["prefix_cache_queries"] += stats.prefix_queries
+        self.counters["prefix_cache_hits"] += stats.prefix_hits
+        now = self.clock()
+        self.last_step = StepStats(
+            time=now, duration=now - start, num_tokens=batch.num_tokens,
+            num_prefill_tokens=batch.num_prefill_tokens, num_decode_tokens=batch.num_decodes,
+            num_running=stats.num_running, num_waiting=stats.num_waiting, kv_usage=stats.kv_usage,
+            num_preemptions=stats.num_preemptions, prefix_queries=stats.prefix_queries,
+            prefix_hits=stats.prefix_hits, decode_context_tokens=int(batch.kv_lens[: batch.num_decodes].sum()),
+            prefill_chunks=[(int(batch.cu_q_lens[s + 1] - batch.cu_q_lens[s]),
+                             int(batch.kv_lens[s] - (batch.cu_q_lens[s + 1] - batch.cu_q_lens[s])))
+                            for s in range(batch.num_decodes, batch.num_seqs)],
+            compiled=compiled)
+
+    def _output(self, tracked: _Tracked) -> RequestOutput:
+        req = tracked.request
+        status = req.status
+        finish_reason = status.value if status.finished else None
+        completion = CompletionOutput(index=0, text=tracked.stops.text, token_ids=list(req.output_token_ids),
+                                      finish_reason=finish_reason, stop_reason=req.stop_reason,
+                                      logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None)
+        cached = max(req.num_cached_tokens, 0)
+        metrics = RequestMetrics(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
+                                 first_token_time=req.first_token_time, finish_time=req.finish_time,
+                                 token_times=list(req.token_times), num_cached_tokens=cached,
+                                 num_preemptions=req.num_preemptions)
+        return RequestOutput(request_id=req.request_id, prompt=tracked.prompt,
+                             prompt_token_ids=req.prompt_token_ids, outputs=[completion],
+                             finished=status.finished, metrics=metrics, num_cached_tokens=cached)
+
+    def set_step_budget(self, max_num_batched_tokens: int, chunk_size: int | None = None) -> None:
+        """Change the per-step token budget (and prefill chunk) of a running engine, within its buckets."""
+        largest = self.runner.token_buckets[-1]
+        chunk_size = chunk_size or max_num_batched_tokens
+        if not 1 <= max_num_batched_tokens <= largest:
+            raise ValueError(f"max_num_batched_tokens must be in [1, {largest}] (the largest compiled bucket)")
+        if not 1 <= chunk_size <= max_num_batched_tokens:
+            raise ValueError(f"chunk_size must be in [1, max_num_batched_tokens={max_num_batched_tokens}]")
+        self.scheduler.config.max_num_batched_tokens = max_num_batched_tokens
+        self.scheduler.config.chunk_size = chunk_size
+
+    def stats(self) -> dict[str, float]:
+        """A snapshot of the engine's gauges and counters."""
+        return {"num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
+                "kv_usage": self.kv_manager.usage(), "evicted_pages": self.kv_manager.num_evicted_pages,
+                **self.counters}

@@ -1,0 +1,36 @@
+"""The CPU paged-attention kernel (`cpu_attention.cc`), called through jax.ffi.
+
+XLA's CPU code for a few query rows against a long paged history, or a chunk against its own causal triangle,
+runs at several times its floors and on one core; the kernel reads each key once for all of a KV head's query
+rows (in tiles of 96 rows for long chunks) and spreads (sequence, KV head, tile) items over XLA's intra-op
+threads. It is built with the other CPU kernels (`cpu_kernels`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.model.attention.metadata import AttentionMetadata
+from jaxserve.model.kernels import cpu_kernels
+
+TARGET = "jaxserve_paged_attention"
+HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # the sizes `AttendAny` in cpu_attention.cc is built for
+
+
+def supports(q: jax.Array, k_cache: jax.Array) -> bool:
+    """Whether the kernel can take this call: float32 on a CPU, a head dimension it is built for."""
+    return (jax.default_backend() == "cpu" and q.dtype == jnp.float32 and k_cache.dtype == jnp.float32
+            and q.shape[-1] in HEAD_DIMS and cpu_kernels.available())
+
+
+def cpu_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata,
+                        scale: float) -> jax.Array:
+    """Causal attention of every sequence of the ragged batch (q [T, H, D], float32); zeros for padded rows,
+    spread over XLA's intra-op threads."""
+    if not cpu_kernels.available():
+        raise RuntimeError("jaxserve's CPU kernels are not available on this machine (see the warning above)")
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(q, k_cache, v_cache, meta.page_table, meta.kv_lens, meta.cu_q_lens, meta.num_seqs,
+                scale=np.float32(scale))

@@ -1,0 +1,135 @@
+"""Builds what the model runner needs: the model's parameters, the KV pool sized by the planner's formula,
+and the context length that pool allows, all placed on the engine's device mesh (axis "tp").
+
+With tensor parallelism the parameters are sharded per `PARTITION_SPECS`, KV heads are replicated at load time
+when tp exceeds them (`jaxserve.runner.parallel`), and the pool holds `kv_heads_per_device` heads per device, which is
+exactly what the planner's `kv_pool_pages(..., tp)` assumes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.core.engine_config import EngineConfig
+from jaxserve.model.llama import KVCaches, LlamaForCausalLM, resolve_dtype
+from jaxserve.runner.parallel import (
+    effective_spec,
+    kv_sharding,
+    make_mesh,
+    replicate_kv_heads,
+    select_devices,
+    shard_model,
+)
+from planner.memory import GIB, activation_bytes, kv_bytes_per_token, kv_pool_pages, weight_bytes_per_device
+from planner.model_spec import ModelSpec
+
+CPU_DEFAULT_KV_BYTES = 1 * GIB
+_DTYPE_NAMES = {jnp.dtype(jnp.float32): "fp32", jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "fp16"}
+
+
+@dataclass
+class BuiltModel:
+    model: nnx.Module
+    kv_caches: Any
+    dtype: jnp.dtype
+    num_pages: int  # including the trash page 0
+    max_model_len: int
+    mesh: jax.sharding.Mesh | None = None  # the engine's devices, axis "tp"
+    spec: ModelSpec | None = None  # what runs: num_kv_heads raised to tp when KV heads are replicated
+
+
+def load_model(config: EngineConfig, spec: ModelSpec, dtype: jnp.dtype,
+               mesh: jax.sharding.Mesh | None = None) -> nnx.Module:
+    """Seeded random weights for synthetic presets; otherwise read the checkpoint folder.
+
+    A checkpoint is read straight onto `mesh`, tensor by tensor, when every sharded axis divides evenly and the
+    mesh is local; otherwise it is read onto one device and sharded afterwards (`shard_model`).
+    """
+    if spec.synthetic:
+        return LlamaForCausalLM(spec, dtype, rngs=nnx.Rngs(config.seed))
+    from jaxserve.model.weights import load_checkpoint
+
+    tp = mesh.devices.size if mesh is not None else 1
+    local = mesh is not None and all(d.process_index == jax.process_index() for d in mesh.devices.flat)
+    direct = local and all(n % tp == 0 for n in (spec.num_kv_heads, spec.vocab_size, spec.intermediate_size))
+    return load_checkpoint(os.path.expanduser(config.model), spec, dtype, mesh=mesh if direct else None)
+
+
+def kv_budget_bytes(config: EngineConfig, spec: ModelSpec, dtype_name: str,
+                    device: jax.Device | None = None) -> float:
+    """The KV budget per device: explicit, else a fraction of accelerator memory, else a CPU default.
+
+    On CPU the default is 1 GiB, or less when `max_num_seqs` full-length sequences need less.
+    """
+    if config.kv_cache_memory is not None:
+        return float(config.kv_cache_memory)
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        tp = config.tensor_parallel_size
+        free = (stats["bytes_limit"] * config.gpu_memory_utilization - weight_bytes_per_device(spec, dtype_name, tp)
+                - activation_bytes(spec, config.max_num_batched_tokens, config.max_num_seqs, dtype_name, tp))
+        if free <= 0:
+            raise ValueError(f"{spec.name} leaves no memory for the KV cache at "
+                             f"gpu_memory_utilization={config.gpu_memory_utilization}")
+        return free
+    context = config.max_model_len or spec.max_position_embeddings
+    needed = ((config.max_num_seqs * context + config.page_size)
+              * kv_bytes_per_token(spec, dtype_name, config.tensor_parallel_size))
+    return min(CPU_DEFAULT_KV_BYTES, needed)
+
+
+def enable_compilation_cache(path: str | None) -> None:
+    """Persist XLA executables across processes, so a restart (or a second engine) skips compiles."""
+    if path:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def build_model_and_cache(config: EngineConfig, spec: ModelSpec) -> BuiltModel:
+    """Model parameters on the device, an empty KV pool, and the resulting max_model_len."""
+    enable_compilation_cache(config.compilation_cache_dir)
+    dtype = resolve_dtype(config.dtype)
+    dtype_name = _DTYPE_NAMES[jnp.dtype(dtype)]
+    if config.max_model_len is not None and config.max_model_len > spec.max_position_embeddings:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's maximum positions "
+                         f"({spec.max_position_embeddings})")
+    tp = config.tensor_parallel_size
+    run_spec = effective_spec(spec, tp)
+    mesh = make_mesh(select_devices(tp, config.device_ids))
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    if not local:
+        raise ValueError(f"process {jax.process_index()} holds none of the {tp} mesh devices; with several "
+                         f"processes, tensor_parallel_size must span every process ({len(jax.devices())} devices)")
+    budget = kv_budget_bytes(config, spec, dtype_name, local[0])
+    num_pages = kv_pool_pages(spec, budget, config.page_size, dtype_name, tp)
+    usable_tokens = (num_pages - 1) * config.page_size
+    if usable_tokens < config.page_size:
+        raise ValueError("the KV cache budget holds less than one page; raise kv_cache_memory")
+    max_model_len = config.max_model_len or min(spec.max_position_embeddings, usable_tokens)
+    if max_model_len > usable_tokens:
+        raise ValueError(f"max_model_len {max_model_len} needs {max_model_len} KV slots but the pool holds "
+                         f"{usable_tokens}; raise kv_cache_memory or lower max_model_len")
+    model = load_model(config, spec, dtype, mesh)
+    replicate_kv_heads(model, spec, tp)
+    shard_model(model, mesh)
+    kv_caches = init_sharded_kv_cache(run_spec, num_pages, config.page_size, dtype, mesh)
+    return BuiltModel(model=model, kv_caches=kv_caches, dtype=jnp.dtype(dtype), num_pages=num_pages,
+                      max_model_len=max_model_len, mesh=mesh, spec=run_spec)
+
+
+def init_sharded_kv_cache(spec: ModelSpec, num_pages: int, page_size: int, dtype: jnp.dtype,
+                          mesh: jax.sharding.Mesh) -> KVCaches:
+    """Zeroed per-layer (k, v) pools `[num_pages, page_size, kv_heads, head_dim]`, sharded on kv_heads.
+
+    Each device allocates only its own shard (no full pool is ever built on one device).
+    """
+    shape = (num_pages, page_size, spec.num_kv_heads, spec.head_dim)
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_sharding(mesh))
+    return [(zeros(), zeros()) for _ in range(spec.num_layers)]
