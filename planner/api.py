@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from planner.disaggregate import DisaggPlan, plan_disaggregated
+from planner.dtypes import dtype_bytes
 from planner.hardware import Hardware, load_hardware
-from planner.memory import MemoryPlan, dtype_bytes
+from planner.memory import MemoryPlan
 from planner.model_spec import ModelSpec, load_model_spec
 from planner.search import Candidate, search
 from planner.serving import ServingConfig, ServingPrediction, Workload

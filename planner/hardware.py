@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from planner.dtypes import short_name
+
 TERA = 1e12
 GIGA = 1e9
 
@@ -103,7 +105,8 @@ class Hardware:
 
         int4 (weight-only) and fp8/int8 on devices without those units compute in bf16.
         """
-        key = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "int4": "bf16"}.get(dtype, dtype)
+        key = short_name(dtype)
+        key = "bf16" if key == "int4" else key
         if key in self.peak_flops:
             return self.peak_flops[key]
         return self.peak_flops.get("bf16") or max(self.peak_flops.values())

@@ -9,23 +9,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from planner.dtypes import dtype_bytes
 from planner.model_spec import ModelSpec
 
-DTYPE_BYTES: dict[str, float] = {
-    "fp32": 4.0, "float32": 4.0,
-    "bf16": 2.0, "bfloat16": 2.0, "fp16": 2.0, "float16": 2.0,
-    "fp8": 1.0, "int8": 1.0,
-    "int4": 0.5,
-}
 GIB = 1024**3
-
-
-def dtype_bytes(dtype: str) -> float:
-    """Bytes per element of a dtype name (bf16, fp16, fp8, int8, int4, fp32)."""
-    try:
-        return DTYPE_BYTES[dtype]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; choose from bf16, fp16, fp8, int8, int4, fp32") from None
 
 
 def kv_heads_per_device(spec: ModelSpec, tp: int) -> int:

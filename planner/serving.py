@@ -31,6 +31,7 @@ import numpy as np
 from planner.hardware import Hardware
 from planner.memory import MemoryPlan, plan_memory
 from planner.model_spec import ModelSpec
+from planner.queueing import erlang_c
 from planner.step_model import (
     StepShape,
     StepTime,
@@ -142,20 +143,6 @@ class _Model:
         i = self.wl.computed_input
         s = self.wl.spread
         return np.array([i]) if s == 0 else np.linspace(i * (1 - s), i * (1 + s), 5)
-
-
-def erlang_c(servers: int, offered: float) -> float:
-    """Probability that an arrival waits in an M/M/c queue with `offered` = lambda * service (Erlang C)."""
-    if offered <= 0:
-        return 0.0
-    if offered >= servers:
-        return 1.0
-    inv_b = 1.0  # Erlang B by recursion, then C
-    for k in range(1, servers + 1):
-        inv_b = 1.0 + inv_b * k / offered
-    b = 1.0 / inv_b
-    rho = offered / servers
-    return b / (1 - rho + rho * b)
 
 
 @dataclass

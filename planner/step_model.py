@@ -19,8 +19,9 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from planner.dtypes import dtype_bytes
 from planner.hardware import Coefficients, Hardware
-from planner.memory import dtype_bytes, kv_heads_per_device
+from planner.memory import kv_heads_per_device
 from planner.model_spec import ModelSpec
 
 # The per-pass part of prefill attention: FLOPs of one query row over each chunk's KV, which `time_ops` scales

@@ -18,9 +18,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxserve.model.checkpoint import convert, save_hf_checkpoint
+from jaxserve.model.checkpoint import convert, load_checkpoint, save_hf_checkpoint
 from jaxserve.model.llama import LlamaForCausalLM
-from jaxserve.model.weights import load_checkpoint
 from planner.model_spec import PRESETS, load_model_spec
 
 

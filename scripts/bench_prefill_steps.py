@@ -30,7 +30,7 @@ def main() -> None:
 
     from jaxserve.core.sampling_params import SamplingParams
     from jaxserve.engine.llm_engine import LLMEngine
-    from jaxserve.report.report import ReportConfig
+    from jaxserve.report.context import ReportConfig
     from planner.api import predict_step
 
     cases = {c: [int(c.split("x")[1])] * int(c.split("x")[0]) for c in args.cases.split(",")}

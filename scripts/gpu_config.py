@@ -7,7 +7,7 @@ Five token buckets, not fourteen: each costs a GPU compile, and padding a small 
 from __future__ import annotations
 
 from jaxserve.calibrate.calibrate import CalibrationConfig
-from jaxserve.report.report import ReportConfig
+from jaxserve.report.context import ReportConfig
 from planner.api import resolve_model
 
 

@@ -71,7 +71,7 @@ def trace_prefills(ap: argparse.ArgumentParser, model: str, cases: list[tuple[in
     from jaxserve.core.sampling_params import SamplingParams
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.model.kernels import cpu_matmul
-    from jaxserve.report.report import ReportConfig
+    from jaxserve.report.context import ReportConfig
 
     engine = LLMEngine(ReportConfig(model=model).engine_config())
     if any(c * n > engine.config.max_num_batched_tokens or c > engine.config.max_num_seqs for c, n in cases):

@@ -12,8 +12,9 @@ import pytest
 from jaxserve.bench.load import RunResult, StepRecord
 from jaxserve.bench.results import RequestRecord
 from jaxserve.report.chunked import decode_gaps
+from jaxserve.report.context import ReportConfig
 from jaxserve.report.probe import drift_note
-from jaxserve.report.report import ReportConfig, check_context, summarize
+from jaxserve.report.summary import check_context, summarize
 
 ROW_KEYS = {"kind", "config", "predicted_ttft_ms", "measured_ttft_ms", "predicted_tpot_ms", "measured_tpot_ms",
             "predicted_throughput", "measured_throughput", "ttft_error_pct", "tpot_error_pct", "throughput_error_pct"}

@@ -12,9 +12,17 @@ import pytest
 from flax import nnx
 
 from jaxserve.model.attention.metadata import AttentionMetadata
-from jaxserve.model.checkpoint import convert, is_converted, load_converted, save_converted, save_hf_checkpoint
-from jaxserve.model.llama import LlamaForCausalLM, init_kv_cache, kv_cache_bytes, resolve_dtype
-from jaxserve.model.weights import CheckpointError, load_checkpoint, partition_spec
+from jaxserve.model.checkpoint import (
+    convert,
+    is_converted,
+    load_checkpoint,
+    load_converted,
+    save_converted,
+    save_hf_checkpoint,
+)
+from jaxserve.model.dtypes import resolve_dtype
+from jaxserve.model.llama import LlamaForCausalLM, init_kv_cache, kv_cache_bytes
+from jaxserve.model.weights import CheckpointError, partition_spec
 from planner.memory import kv_bytes_per_token
 from planner.model_spec import PRESETS, ModelSpecError, load_model_spec
 

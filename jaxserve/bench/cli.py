@@ -5,14 +5,21 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 
 import click
+from rich.progress import Progress
 
-from jaxserve.bench.datasets import DATASETS
+from jaxserve.bench.datasets import DATASETS, DatasetConfig, generate
+from jaxserve.bench.http_client import run_http
+from jaxserve.bench.latency import format_table, run_grid
+from jaxserve.bench.load import LoadConfig, run_engine
+from jaxserve.bench.results import compute_metrics, finite, format_summary, parse_goodput
 from jaxserve.engine.args import build_engine, config_from_options, engine_options
 from jaxserve.output_paths import check_writable
+from planner.model_spec import load_model_spec
 
 
 def _int_list(text: str) -> list[int]:
@@ -37,8 +44,6 @@ def _rate(text: str) -> float:
 
 def _vocab(model: str) -> tuple[int, tuple[int, ...]]:
     """Vocabulary size and special ids to avoid, from the model's spec (a generic 32000 if unknown)."""
-    from planner.model_spec import load_model_spec
-
     try:
         spec = load_model_spec(model)
     except ValueError:
@@ -59,8 +64,6 @@ def bench() -> None:
 @click.option("--output-json", type=click.Path(dir_okay=False), default=None, help="Write the grid as JSON.")
 def latency(batch_sizes: str, input_lens: str, output_len: int, output_json: str | None, **options) -> None:
     """Static batches: prefill time per input length and decode TPOT per batch size."""
-    from jaxserve.bench.latency import format_table, run_grid
-
     sizes, lens = _int_list(batch_sizes), _int_list(input_lens)
     seed = options["seed"]
     config = config_from_options(options)
@@ -85,8 +88,6 @@ def latency(batch_sizes: str, input_lens: str, output_len: int, output_json: str
 
 
 def _engine_dict(config) -> dict:
-    from dataclasses import asdict
-
     return {k: v for k, v in asdict(config).items() if k not in ("compilation_cache_dir",)}
 
 
@@ -123,10 +124,6 @@ def serve_bench(base_url: str | None, served_model_name: str | None, dataset_nam
                 goodput: tuple[str, ...], metric_percentiles: str, save_result: str | None, temperature: float,
                 top_p: float, top_k: int, min_p: float, **options) -> None:
     """Online load in vLLM's style; prints the "Serving Benchmark Result" summary."""
-    from jaxserve.bench.datasets import DatasetConfig, generate
-    from jaxserve.bench.load import LoadConfig
-    from jaxserve.bench.results import compute_metrics, finite, format_summary, parse_goodput
-
     rate = _rate(request_rate)
     seed, model = options["seed"], options["model"]
     try:
@@ -144,8 +141,6 @@ def serve_bench(base_url: str | None, served_model_name: str | None, dataset_nam
     vocab, avoid = _vocab(model)
     requests = generate(dcfg, vocab, avoid)
     if base_url:
-        from jaxserve.bench.http_client import run_http
-
         try:
             run = run_http(base_url, requests, load, model=served_model_name)
         except ValueError as e:
@@ -171,10 +166,6 @@ def serve_bench(base_url: str | None, served_model_name: str | None, dataset_nam
 
 def _run_in_process(config, requests, load):
     """Build the engine (warm-up included), then drive it with a progress bar."""
-    from rich.progress import Progress
-
-    from jaxserve.bench.load import run_engine
-
     engine = build_engine(config)
     with Progress(transient=True) as progress:
         task = progress.add_task("requests", total=len(requests))

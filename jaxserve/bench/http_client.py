@@ -16,6 +16,8 @@ import math
 import time
 from collections.abc import Sequence
 
+import httpx
+
 from jaxserve.bench.datasets import SampleRequest
 from jaxserve.bench.load import LoadConfig, RunResult, arrival_offsets
 from jaxserve.bench.results import RequestRecord
@@ -73,8 +75,6 @@ async def _one(client, url: str, model: str, req: SampleRequest, arrival: float,
 
 async def _run(base_url: str, model: str | None, requests: Sequence[SampleRequest], load: LoadConfig,
                timeout_s: float, transport=None) -> RunResult:
-    import httpx
-
     base = base_url.rstrip("/")
     url = base + "/v1/completions"
     offsets = arrival_offsets(len(requests), load.request_rate, load.burstiness, load.seed)

@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxserve.bench.datasets import SampleRequest
 from jaxserve.bench.results import RequestRecord
+from jaxserve.core.sampling_params import SamplingParams
 
 
 @dataclass
@@ -35,8 +36,6 @@ class LoadConfig:
 
     def sampling(self, max_tokens: int):
         """The requests' SamplingParams (exact lengths: ignore_eos)."""
-        from jaxserve.core.sampling_params import SamplingParams
-
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                               max_tokens=max_tokens, ignore_eos=True)
 

@@ -9,16 +9,22 @@ additive model; the result is a hardware profile JSON for `jaxserve plan --hardw
 from __future__ import annotations
 
 import json
-import math
-import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from jaxserve.calibrate.microbench import (
+    engine_mlp_weights,
+    local_hardware,
+    measure_bandwidth,
+    measure_gemm_rows,
+    measure_matmul,
+    measure_weight_streams,
+)
 from jaxserve.calibrate.steps import (
     PromptSource,
     StepSample,
@@ -29,8 +35,9 @@ from jaxserve.calibrate.steps import (
     warm_engine,
 )
 from jaxserve.model.attention.paged_attention import smallest_chunk
+from jaxserve.model.dtypes import planner_dtype
 from planner.calibration import Sample, fit_coefficients
-from planner.hardware import CATALOG, GIGA, Hardware
+from planner.hardware import GIGA, Hardware
 from planner.step_model import step_time_shape
 
 Progress = Callable[[str, float], None]  # (phase description, fraction of the whole done)
@@ -112,136 +119,6 @@ class Calibration:
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(self.profile(), indent=2) + "\n")
-
-
-def planner_dtype(dtype: Any) -> str:
-    """jnp dtype -> planner dtype name."""
-    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[str(np.dtype(dtype))]
-
-
-def _best_time(fn: Callable[[], Any], repeats: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn())  # compile
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def measure_bandwidth(nbytes: int, repeats: int = 5) -> float:
-    """Streaming read bandwidth (bytes/s): a jitted sum over a float32 array of `nbytes`."""
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.ones(nbytes // 4, jnp.float32)
-    f = jax.jit(lambda a: jnp.sum(a))
-    return nbytes / _best_time(lambda: f(x), repeats)
-
-
-def measure_matmul(n: int, dtype: Any, repeats: int = 3) -> float:
-    """Dense square-GEMM throughput (FLOP/s) in `dtype`."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jnp.ones((n, n), dtype)
-    b = jnp.ones((n, n), dtype)
-    f = jax.jit(lambda x, y: x @ y)
-    return 2 * n**3 / _best_time(lambda: f(a, b), repeats)
-
-
-def measure_gemm_rows(rows: tuple[int, ...], k: int, n: int, dtype: Any, repeats: int = 3,
-                      cpu_kernel: bool = False) -> list[dict[str, float]]:
-    """Time of x[M, k] @ W[k, n] per M (the model's fused gate/up shape) as the model runs it (`linear`, which
-    picks the CPU matmul by M; `cpu_kernel`: the engine's, whether it may use jaxserve's): achieved FLOP/s and
-    bytes/s."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxserve.model.llama import linear
-
-    w = jnp.ones((k, n), dtype)
-    f = jax.jit(lambda x, w: linear(x, w, cpu_kernel))
-    out = []
-    for m in rows:
-        x = jnp.ones((m, k), dtype)
-        t = _best_time(lambda x=x: f(x, w), repeats)
-        nbytes = (k * n + m * k + m * n) * np.dtype(dtype).itemsize
-        out.append({"rows": m, "seconds": t, "gflops": 2 * m * k * n / t / GIGA, "gbps": nbytes / t / GIGA})
-    return out
-
-
-def measure_weight_streams(weights: list[Any], rows: tuple[int, ...] = (1, 2), repeats: int = 50,
-                           cpu_kernel: bool = False) -> dict[int, float]:
-    """Weight bytes/s of each `rows` count of tokens through `weights` ([in, ...] arrays, together more than a
-    cache holds), as the model runs them (`linear`, with `cpu_kernel` as the engine has it): a decode's weight
-    streaming. The row counts alternate and each keeps its median, so their ratio compares the two kernels in the
-    same state of the machine. Fifty repeats: a throwaway driver calling this four times on `small`'s shapes read
-    ratios of 1.22-1.29 with 50, 1.21-1.61 with 15."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxserve.model.llama import linear
-
-    f = jax.jit(lambda x, ws: sum(linear(x, w, cpu_kernel).sum() for w in ws))
-    k = weights[0].shape[0]
-    xs = {r: jnp.ones((r, k), weights[0].dtype) for r in rows}
-    times: dict[int, list[float]] = {r: [] for r in rows}
-    for r in rows:
-        jax.block_until_ready(f(xs[r], weights))  # compile
-    for _ in range(repeats):
-        for r in rows:
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(xs[r], weights))
-            times[r].append(time.perf_counter() - t0)
-    nbytes = sum(w.size * w.dtype.itemsize for w in weights)
-    return {r: nbytes / float(np.median(times[r])) for r in rows}
-
-
-def engine_mlp_weights(engine) -> list[Any]:
-    """The engine's own fused gate/up weights ([hidden, 2, intermediate], one per layer), or fresh arrays of that
-    shape when the model has none: the rate is measured on the memory a decode step reads. On this VM one row
-    streamed at 43-49 GB/s in most calibrations and at 58-71 in a third of them, fresh arrays or the engine's
-    own (`reports/small-s42`), while the engine's one-request TPOT stayed at 12-13 ms; the cause is not known."""
-    import jax.numpy as jnp
-
-    spec = engine.spec
-    shape = (spec.hidden_size, 2, spec.intermediate_size)
-    own = [w for w in engine.runner.param_leaves if tuple(w.shape) == shape]
-    if len(own) == spec.num_layers:
-        return own
-    return [jnp.full(shape, 1e-3 * (i + 1), engine.dtype) for i in range(spec.num_layers)]
-
-
-# The profile ------------------------------------------------------------------------------------------------------
-def local_hardware(memory_bw: float, peak: float, dtype: str) -> tuple[Hardware, str]:
-    """A `Hardware` for the local device with measured peak and bandwidth; links from the catalog if known."""
-    import jax
-
-    dev = jax.devices()[0]
-    kind = str(getattr(dev, "device_kind", dev.platform))
-    base = CATALOG["cpu"]
-    for name, hw in CATALOG.items():
-        if name != "cpu" and name.split("-")[0] in kind.lower().replace(" ", ""):
-            base = hw
-    if dev.platform == "cpu":
-        memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    else:
-        memory = float((dev.memory_stats() or {}).get("bytes_limit", base.memory_bytes))
-    peaks = {dtype: peak}
-    if dtype in ("bf16", "fp16"):
-        peaks = {"bf16": peak, "fp16": peak}
-    sources = {"compute": f"measured by jaxserve calibrate: {dtype} square GEMM on {kind}",
-               "memory": f"measured by jaxserve calibrate: jitted streaming sum on {kind}; capacity from the device",
-               "intra_node": f"from catalog entry {base.name!r}", "allreduce_latency": f"from catalog {base.name!r}",
-               "inter_node": f"from catalog {base.name!r}"}
-    hw = Hardware(name=f"calibrated-{dev.platform}", peak_flops=peaks, memory_bytes=memory, memory_bw=memory_bw,
-                  intra_node_bw=base.intra_node_bw, allreduce_latency_s=base.allreduce_latency_s,
-                  inter_node_bw=base.inter_node_bw, devices_per_node=max(1, jax.local_device_count()),
-                  sources=sources, coefficients=base.coefficients)
-    return hw, f"{dev.platform}: {kind} x{jax.local_device_count()}"
 
 
 def calibrate(engine, cfg: CalibrationConfig | None = None, progress: Progress | None = None,
@@ -335,68 +212,3 @@ def _attention_slopes(samples: list[StepSample]) -> dict[str, float]:
             slope = np.polyfit(x, [s.seconds for s in ss], 1)[0]
             out[str(b)] = float(slope * 1e6)
     return out
-
-
-def summary_rows(cal: Calibration) -> list[tuple[str, str]]:
-    """(name, value) lines for the terminal."""
-    hw, c = cal.hardware, cal.hardware.coefficients
-    rows = [("device", cal.measurements["device"]),
-            ("memory bandwidth", f"{hw.memory_bw / GIGA:.1f} GB/s"),
-            (f"matmul peak ({cal.dtype})", f"{hw.peak(cal.dtype) / GIGA:.1f} GFLOP/s"),
-            ("step-time fit", f"median |err| {cal.fit.median_abs_error:.1%}, max {cal.fit.max_abs_error:.1%} "
-                              f"({len(cal.samples)} steps)")]
-    rows += [(k, f"{v:.4g}") for k, v in asdict(c).items()]
-    rows.append(("took", f"{cal.seconds:.0f} s"))
-    return rows
-
-
-def run_with_progress(engine, cfg: CalibrationConfig, seed: int = 0) -> Calibration:
-    """`calibrate` under a rich progress bar."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(TextColumn("{task.description:<55}"), BarColumn(), TimeElapsedColumn(), transient=True) as bar:
-        task = bar.add_task("calibrating", total=1.0)
-        return calibrate(engine, cfg, lambda phase, frac: bar.update(task, description=phase, completed=frac),
-                         seed=seed)
-
-
-def _command():
-    import click
-
-    from jaxserve.engine.args import config_from_options, engine_options
-
-    @click.command("calibrate")
-    @engine_options
-    @click.option("--out", default="profile.json", show_default=True, type=click.Path(dir_okay=False),
-                  help="Where to write the hardware profile JSON.")
-    @click.option("--quick", is_flag=True, help="Tiny measurement sizes (tests, smoke runs).")
-    def calibrate_command(out: str, quick: bool, **options) -> None:
-        """Measure this device and the engine; write a hardware profile for `jaxserve plan --hardware`."""
-        from rich.console import Console
-        from rich.table import Table
-
-        from jaxserve.engine.llm_engine import LLMEngine
-        from jaxserve.output_paths import check_writable
-
-        check_writable(out)
-        seed = options["seed"]
-        config = config_from_options(options)
-        if config.async_scheduling:  # each step is timed around one `step()` call, which overlap would blur
-            raise click.UsageError("calibrate times the synchronous engine loop; drop --async-scheduling")
-        t0 = time.monotonic()
-        try:
-            engine = LLMEngine(config)
-        except ValueError as e:
-            raise click.UsageError(str(e)) from None
-        click.echo(f"engine ready in {time.monotonic() - t0:.1f} s", err=True)
-        cal = run_with_progress(engine, CalibrationConfig.quick() if quick else CalibrationConfig(), seed)
-        cal.save(out)
-        table = Table(title=f"calibrated profile -> {out}", show_header=False)
-        for name, value in summary_rows(cal):
-            table.add_row(name, value)
-        Console().print(table)
-
-    return calibrate_command
-
-
-calibrate_command = _command()

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.core.sampling_params import SamplingParams
 from planner.step_model import StepShape, decode_shape, prefill_shape
 
 
@@ -75,8 +76,6 @@ class PromptSource:
 
 
 def _params(n: int):
-    from jaxserve.core.sampling_params import SamplingParams
-
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from planner.model_spec import PRESETS, ModelSpec
@@ -126,11 +127,9 @@ class HFTokenizer(Tokenizer):
     """A `tokenizer.json` through the `tokenizers` library, chat template from the folder's config."""
 
     def __init__(self, folder: str | Path, spec: ModelSpec | None = None):
-        from tokenizers import Tokenizer as _Tok
-
         folder = Path(folder)
         try:
-            self._tok = _Tok.from_file(str(folder / "tokenizer.json"))
+            self._tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
         except Exception as e:  # the library raises a bare Exception on malformed files
             raise TokenizerError(f"{folder / 'tokenizer.json'}: cannot load ({e})") from None
         config = _read_json(folder / "tokenizer_config.json")

@@ -6,12 +6,15 @@ Names follow `vllm serve`; they map one-to-one onto `EngineConfig` fields.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
 import click
 
 from jaxserve.core.engine_config import EngineConfig
+from jaxserve.engine.factory import create_engine
+from jaxserve.model.dtypes import RUNTIME_DTYPES
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -35,7 +38,7 @@ _OPTIONS = [
     click.option("--model", default=EngineConfig.model, show_default=True,
                  help="Preset name (tiny, small, ...) or HF checkpoint folder."),
     click.option("--dtype", default="auto", show_default=True,
-                 type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+                 type=click.Choice(RUNTIME_DTYPES),
                  help="auto: float32 on CPU, bfloat16 on GPU/TPU."),
     click.option("--seed", default=0, show_default=True, type=int),
     click.option("--max-num-seqs", default=EngineConfig.max_num_seqs, show_default=True,
@@ -103,10 +106,6 @@ def config_from_options(options: dict[str, Any], **overrides: Any) -> EngineConf
 
 def build_engine(config: EngineConfig, *, announce: bool = True):
     """The engine the flags ask for (colocated, disaggregated or multi-host); a bad config is a UsageError."""
-    import time
-
-    from jaxserve.engine.factory import create_engine
-
     t0 = time.monotonic()
     try:
         engine = create_engine(config)

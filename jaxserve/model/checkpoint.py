@@ -19,8 +19,9 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from safetensors.numpy import save_file
 
-from jaxserve.model.llama import LlamaForCausalLM, resolve_dtype
-from jaxserve.model.weights import CheckpointError, abstract_model, load_checkpoint
+from jaxserve.model.dtypes import resolve_dtype
+from jaxserve.model.llama import LlamaForCausalLM
+from jaxserve.model.weights import CheckpointError, abstract_model, load_hf_checkpoint
 from planner.model_spec import ModelSpec, load_model_spec
 
 MARKER = "jaxserve_params.json"
@@ -66,6 +67,16 @@ def load_converted(folder: str | Path, spec: ModelSpec, dtype: jnp.dtype | str =
         graphdef, abstract_state = nnx.split(abstract_model(spec, dtype))
     nnx.replace_by_pure_dict(abstract_state, restored)
     return nnx.merge(graphdef, abstract_state)
+
+
+def load_checkpoint(folder: str | Path, spec: ModelSpec | None = None, dtype: jnp.dtype | str = "auto",
+                    mesh: jax.sharding.Mesh | None = None) -> LlamaForCausalLM:
+    """Load a folder written by `checkpoint.convert` (fast path) or an HF safetensors folder."""
+    folder = Path(folder).expanduser()
+    spec = spec or load_model_spec(str(folder))
+    if is_converted(folder):
+        return load_converted(folder, spec, dtype)
+    return load_hf_checkpoint(folder, spec, dtype, mesh=mesh)
 
 
 def convert(src: str | Path, dst: str | Path, dtype: jnp.dtype | str | None = None) -> Path:

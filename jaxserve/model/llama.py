@@ -19,6 +19,7 @@ from jax import lax
 
 from jaxserve.model.attention.metadata import AttentionMetadata
 from jaxserve.model.attention.paged_attention import paged_attention, write_kv
+from jaxserve.model.dtypes import planner_dtype, resolve_dtype
 from jaxserve.model.kernels import cpu_matmul
 from jaxserve.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from planner.memory import kv_bytes_per_token
@@ -27,21 +28,8 @@ from planner.model_spec import ModelSpec
 # Per layer (k, v), each [num_pages, page_size, kv_heads, head_dim].
 KVCaches = list[tuple[jax.Array, jax.Array]]
 
-# Token counts up to which a CPU step's projections go to Eigen rather than YNNPACK (`linear`).
+# Token counts up to which a CPU step's projections go to Eigen rather than YNNPACK (`linear`); see docs/tuning.md.
 CPU_EIGEN_MAX_ROWS = 16
-
-_DTYPE_NAMES = {jnp.dtype(jnp.float32): "float32", jnp.dtype(jnp.bfloat16): "bfloat16",
-                jnp.dtype(jnp.float16): "float16"}
-
-
-def resolve_dtype(dtype: str | jnp.dtype = "auto", platform: str | None = None) -> jnp.dtype:
-    """Resolve "auto" to float32 on CPU and bfloat16 on GPU/TPU; other names pass through jnp.dtype."""
-    if isinstance(dtype, str) and dtype == "auto":
-        platform = platform or jax.default_backend()
-        return jnp.dtype(jnp.float32 if platform == "cpu" else jnp.bfloat16)
-    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-    return jnp.dtype(aliases.get(dtype, dtype) if isinstance(dtype, str) else dtype)
-
 
 def _normals(key: jax.Array, shapes_stds: tuple[tuple[tuple[int, ...], float], ...],
              dtype: jnp.dtype) -> list[jax.Array]:
@@ -64,11 +52,10 @@ def linear(x: jax.Array, w: jax.Array, cpu_kernel: bool = False) -> jax.Array:
     """x [T, in] times w [in, ...] -> [T, ...], on a CPU routed to the matmul that is fastest for T rows.
 
     With `cpu_kernel`, float32 steps of up to `cpu_matmul.MAX_ROWS` rows go to jaxserve's C++ kernel, which
-    streams w at the memory's rate where XLA's dots fell to a fraction of it (BUILD.md, "Whole-step attention
-    and few-row matmuls in C++"). Otherwise XLA's CPU backend gives dots to YNNPACK, and Eigen runs the 2-16-row
-    GEMMs of decode steps faster (`small`'s projections at 16 rows: 10.7 vs 14.4 ms, at 32: 21.9 vs 18.7;
-    BUILD.md). YNNPACK declines a dot whose left operand is column-major, so for those row counts x goes in
-    transposed, behind an optimization barrier that keeps XLA from folding the transpose back into the dot.
+    streams w at the memory's rate where XLA's dots fell to a fraction of it. Otherwise XLA's CPU backend gives
+    dots to YNNPACK, and Eigen runs the 2-16-row GEMMs of decode steps faster (docs/tuning.md). YNNPACK declines
+    a dot whose left operand is column-major, so for those row counts x goes in transposed, behind an
+    optimization barrier that keeps XLA from folding the transpose back into the dot.
     """
     t = x.shape[0]
     if cpu_kernel and cpu_matmul.supports(x, w):
@@ -199,7 +186,7 @@ class LlamaForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden: jax.Array, cpu_kernel: bool = False) -> jax.Array:
         """Float32 logits [N, vocab] of hidden rows [N, hidden]; `cpu_kernel` as in `__call__` (a tied head reads
-        the embedding in place through the kernel's x @ w^T: 2.7 against 3.7 ms at one row for `small`)."""
+        the embedding in place through the kernel's x @ w^T; see docs/tuning.md)."""
         if self.lm_head is not None:
             return linear(hidden, self.lm_head[...], cpu_kernel).astype(jnp.float32)
         embed = self.embed[...]
@@ -225,4 +212,4 @@ def kv_cache_bytes(spec: ModelSpec, num_pages: int, page_size: int,
 
 def planner_kv_bytes(spec: ModelSpec, num_pages: int, page_size: int, dtype: jnp.dtype | str) -> float:
     """The planner's prediction for the same pool (tp=1), for cross-checks."""
-    return num_pages * page_size * kv_bytes_per_token(spec, _DTYPE_NAMES[resolve_dtype(dtype)])
+    return num_pages * page_size * kv_bytes_per_token(spec, planner_dtype(resolve_dtype(dtype)))

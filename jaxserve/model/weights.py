@@ -24,7 +24,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 
-from jaxserve.model.llama import LlamaForCausalLM, resolve_dtype
+from jaxserve.model.dtypes import resolve_dtype
+from jaxserve.model.llama import LlamaForCausalLM
 from planner.model_spec import ModelSpec, load_model_spec
 
 SUPPORTED = ("llama", "mistral", "qwen2")
@@ -220,18 +221,6 @@ def _warn_unsupported(folder: Path) -> None:
     if window and config.get("use_sliding_window", True) and window < config.get("max_position_embeddings", 0):
         warnings.warn(f"{folder}: sliding_window={window} is not implemented; attention is full, so outputs differ "
                       f"from the reference past {window} tokens", stacklevel=3)
-
-
-def load_checkpoint(folder: str | Path, spec: ModelSpec | None = None, dtype: jnp.dtype | str = "auto",
-                    mesh: jax.sharding.Mesh | None = None) -> LlamaForCausalLM:
-    """Load a folder written by `checkpoint.convert` (fast path) or an HF safetensors folder."""
-    from jaxserve.model.checkpoint import is_converted, load_converted
-
-    folder = Path(folder).expanduser()
-    spec = spec or load_model_spec(str(folder))
-    if is_converted(folder):
-        return load_converted(folder, spec, dtype)
-    return load_hf_checkpoint(folder, spec, dtype, mesh=mesh)
 
 
 def _place(x: jax.Array, path: str, mesh: jax.sharding.Mesh | None) -> jax.Array:

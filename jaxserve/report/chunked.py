@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -24,10 +24,10 @@ from jaxserve.bench.datasets import DatasetConfig, generate
 from jaxserve.bench.load import LoadConfig, RunResult, run_engine
 from jaxserve.calibrate.steps import step_budget
 from jaxserve.model.attention.paged_attention import smallest_chunk
+from jaxserve.report.context import ReportConfig
 from jaxserve.report.loads import predict_step_s
-
-if TYPE_CHECKING:
-    from jaxserve.report.report import ReportConfig
+from planner.api import choose_chunk_size, chunked_prefill_itls
+from planner.step_model import decode_shape, step_time_shape
 
 WARM_TOKENS = 8
 
@@ -75,9 +75,6 @@ def _predicted_gaps(undisturbed_ms: float, stalls_ms: list[float], gaps_per_requ
 
 def run_chunked(ctx) -> list[dict[str, Any]]:
     """Rows for the chunked and the unchunked long-prompt runs (see the module docstring)."""
-    from planner.api import choose_chunk_size, chunked_prefill_itls
-    from planner.step_model import decode_shape, step_time_shape
-
     cfg, engine = ctx.cfg, ctx.engine
     d, length, page = cfg.long_decodes, cfg.long_prompt_len, engine.config.page_size
     context = cfg.long_decode_input + WARM_TOKENS

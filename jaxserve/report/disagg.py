@@ -23,8 +23,18 @@ import re
 import time
 from typing import Any
 
+import click
+import jax
+import numpy as np
+
 from jaxserve.bench.datasets import DatasetConfig, generate
 from jaxserve.bench.load import LoadConfig, run_engine
+from jaxserve.core.engine_config import EngineConfig
+from jaxserve.engine.disaggregated import DisaggregatedEngine
+from jaxserve.engine.pool_stats import overlap_fractions, pool_rates
+from jaxserve.report.context import error_pct, fmt, fmt_pct
+from planner.disaggregate import pool_balance
+from planner.step_model import StepShape, decode_shape, pad_tokens, prefill_shape, step_time_shape
 
 QUANTITIES = (("prefill_capacity", "req/s"), ("decode_capacity", "req/s"), ("balance", "prefill/decode"),
               ("kv_bytes_per_request", "bytes"))
@@ -43,8 +53,6 @@ def parse_pools(text: str) -> tuple[int, int]:
 
 def pools_option(ctx: Any, param: Any, value: str | None) -> tuple[int, int] | None:
     """click callback of `--disagg`: (P, D), or a one-line usage error."""
-    import click
-
     try:
         return None if value is None else parse_pools(value)
     except ValueError as e:
@@ -59,8 +67,6 @@ def provide_devices(p: int, d: int) -> str:
     beyond the cores would time-share them, which a speed measurement cannot use, so on CPU P + D must not
     exceed the cores this process may run on.
     """
-    import jax
-
     n = p + d
     with contextlib.suppress(RuntimeError):  # raised once the backend has started (e.g. in a test process)
         jax.config.update("jax_num_cpu_devices", max(n, jax.config.jax_num_cpu_devices))
@@ -78,8 +84,6 @@ def provide_devices(p: int, d: int) -> str:
 def engine_config(cfg, p: int, d: int, token_buckets: tuple[int, ...]):
     """The disaggregated engine: step budget one prompt, context prompt + output, the report engine's buckets
     below the prompt length (so decode batches are padded as in the rest of the report) and the prompt length."""
-    from jaxserve.core.engine_config import EngineConfig
-
     n = cfg.disagg_input_len
     return EngineConfig(model=cfg.model, dtype=cfg.dtype, seed=cfg.seed, max_num_seqs=cfg.disagg_max_num_seqs,
                         max_num_batched_tokens=n, chunk_size=n, max_model_len=n + cfg.disagg_output_len,
@@ -88,18 +92,9 @@ def engine_config(cfg, p: int, d: int, token_buckets: tuple[int, ...]):
                         disaggregate=True, prefill_devices=p, decode_devices=d)
 
 
-def _err(pred: float | None, meas: float | None) -> float | None:
-    return None if pred is None or not meas else 100.0 * (pred - meas) / meas
-
 
 def run_disagg(ctx) -> list[dict[str, Any]]:
     """Rows of kind `disagg`: prefill and decode capacity, their balance, KV bytes per request."""
-    import jax
-
-    from jaxserve.engine.disaggregated import DisaggregatedEngine
-    from jaxserve.engine.pool_stats import pool_rates
-    from planner.disaggregate import pool_balance
-
     cfg, log = ctx.cfg, ctx.log
     p, d = cfg.disagg
     n_in, n_out = cfg.disagg_input_len, cfg.disagg_output_len
@@ -148,17 +143,18 @@ def run_disagg(ctx) -> list[dict[str, Any]]:
     rows = []
     for q, unit in QUANTITIES:
         rows.append({"kind": "disagg", "config": config | {"quantity": q}, "unit": unit,
-                     "predicted": predicted[q], "measured": measured[q], "error_pct": _err(predicted[q], measured[q]),
+                     "predicted": predicted[q], "measured": measured[q],
+                     "error_pct": error_pct(predicted[q], measured[q]),
                      **extra[q], "completed": completed, "duration_s": run.duration,
                      "predicted_ttft_ms": None, "measured_ttft_ms": None, "predicted_tpot_ms": None,
                      "measured_tpot_ms": None, "predicted_throughput": None, "measured_throughput": None,
                      "ttft_error_pct": None, "tpot_error_pct": None, "throughput_error_pct": None})
-        log(f"disagg {p}+{d} {q}: measured {_f(measured[q], '.4g')} {unit} (pred {_f(predicted[q], '.4g')}, "
-            f"{_pct(rows[-1]['error_pct'])})")
+        log(f"disagg {p}+{d} {q}: measured {fmt(measured[q], '.4g')} {unit} (pred {fmt(predicted[q], '.4g')}, "
+            f"{fmt_pct(rows[-1]['error_pct'])})")
     for pool, x in pool_extra.items():
         log(f"disagg {p}+{d} {pool} steps: {_pct0(x['overlap_fraction'])} of busy time beside the other pool; "
-            f"measured / predicted step: alone {_f(x['alone_over_predicted'], '.2f')} ({x['alone_steps']} steps), "
-            f"beside the other pool {_f(x['shared_over_predicted'], '.2f')} ({x['shared_steps']} steps)")
+            f"measured / predicted step: alone {fmt(x['alone_over_predicted'], '.2f')} ({x['alone_steps']} steps), "
+            f"beside the other pool {fmt(x['shared_over_predicted'], '.2f')} ({x['shared_steps']} steps)")
     log(f"disagg {p}+{d}: mean decode batch {batch:.1f}")
     return rows
 
@@ -166,11 +162,6 @@ def run_disagg(ctx) -> list[dict[str, Any]]:
 def _step_check(ctx, engine, pool: str, other: str, tp: int) -> dict[str, Any]:
     """Each step of `pool` against the step model on its own shape and padded bucket, split by whether the
     other pool was busy for at least half of it: how much the pools slow each other down, measured."""
-    import numpy as np
-
-    from jaxserve.engine.pool_stats import overlap_fractions
-    from planner.step_model import StepShape, decode_shape, pad_tokens, prefill_shape, step_time_shape
-
     steps = list(engine.pool_steps[pool])
     fractions = overlap_fractions(steps, list(engine.pool_steps[other]))
     buckets = (engine.prefill if pool == "prefill" else engine).runner.token_buckets
@@ -220,24 +211,24 @@ def markdown(report: dict[str, Any]) -> list[str]:
              "| quantity | unit | predicted | measured | error |", "|---|---|---|---|---|"]
     for q, unit in QUANTITIES:
         r = rows[q]
-        fmt = ".0f" if q == "kv_bytes_per_request" else ".3g"
-        lines.append(f"| {q.replace('_', ' ')} | {unit} | {_f(r['predicted'], fmt)} | {_f(r['measured'], fmt)} | "
-                     f"{_pct(r['error_pct'])} |")
-    lines += ["", f"Step times, predicted / measured: prefill {_f(pre['predicted_step_ms'])} / "
-              f"{_f(pre['measured_step_ms'])} ms over {pre['steps']} steps, decode {_f(dec['predicted_step_ms'])} / "
-              f"{_f(dec['measured_step_ms'])} ms over {dec['steps']} steps. Pools busy "
+        spec = ".0f" if q == "kv_bytes_per_request" else ".3g"
+        lines.append(f"| {q.replace('_', ' ')} | {unit} | {fmt(r['predicted'], spec)} | {fmt(r['measured'], spec)} | "
+                     f"{fmt_pct(r['error_pct'])} |")
+    lines += ["", f"Step times, predicted / measured: prefill {fmt(pre['predicted_step_ms'])} / "
+              f"{fmt(pre['measured_step_ms'])} ms over {pre['steps']} steps, decode {fmt(dec['predicted_step_ms'])} / "
+              f"{fmt(dec['measured_step_ms'])} ms over {dec['steps']} steps. Pools busy "
               f"{_pct0(pre['busy_fraction'])} (prefill) and {_pct0(dec['busy_fraction'])} (decode) of the "
-              f"{pre['duration_s']:.2f} s run. Balanced split: {_f(bal['predicted_balanced_pd'], '.2f')} prefill "
-              f"devices per decode device predicted, {_f(bal['measured_balanced_pd'], '.2f')} measured. KV move: "
-              f"{_f(rows['kv_bytes_per_request']['transfer_ms'], '.2f')} ms per request."]
+              f"{pre['duration_s']:.2f} s run. Balanced split: {fmt(bal['predicted_balanced_pd'], '.2f')} prefill "
+              f"devices per decode device predicted, {fmt(bal['measured_balanced_pd'], '.2f')} measured. KV move: "
+              f"{fmt(rows['kv_bytes_per_request']['transfer_ms'], '.2f')} ms per request."]
     lines += ["", "Each step against the step model on its own shape and padded bucket (median measured / "
               "predicted), split by whether the other pool was busy for at least half of it:", "",
               "| pool | busy beside the other pool | alone: steps | alone: meas / pred | beside: steps "
               "| beside: meas / pred |", "|---|---|---|---|---|---|"]
     for name, r in (("prefill", pre), ("decode", dec)):
         lines.append(f"| {name} | {_pct0(r['overlap_fraction'])} | {r['alone_steps']} | "
-                     f"{_f(r['alone_over_predicted'], '.2f')} | {r['shared_steps']} | "
-                     f"{_f(r['shared_over_predicted'], '.2f')} |")
+                     f"{fmt(r['alone_over_predicted'], '.2f')} | {r['shared_steps']} | "
+                     f"{fmt(r['shared_over_predicted'], '.2f')} |")
     if c["platform"] == "cpu":
         lines += ["", "On CPU the pools are fake devices sharing the same cores, so a step that runs beside the other "
                   "pool's is slower than the single-device calibration it is predicted from. The planner assumes "
@@ -246,12 +237,6 @@ def markdown(report: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
-def _f(v: Any, fmt: str = ".1f") -> str:
-    return "-" if v is None else format(v, fmt)
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{v:+.1f}%"
 
 
 def _pct0(v: float | None) -> str:

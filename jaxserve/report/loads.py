@@ -11,9 +11,12 @@ from typing import Any
 import numpy as np
 
 from jaxserve.bench.datasets import DatasetConfig, generate
-from jaxserve.bench.load import LoadConfig, RunResult, StepRecord, run_engine
+from jaxserve.bench.load import LoadConfig, RunResult, StepRecord, arrival_offsets, run_engine
 from jaxserve.bench.results import compute_metrics
-from jaxserve.report.report import Context, _avoid, _err, _fmt, _row
+from jaxserve.report.context import Context, avoid_tokens, error_pct, fmt, result_row
+from planner.serving import Workload, predict_serving
+from planner.simulate import simulate
+from planner.step_model import StepShape, decode_shape, pad_tokens, prefill_shape, step_time_shape
 
 
 def run_loads(ctx: Context) -> list[dict[str, Any]]:
@@ -24,10 +27,6 @@ def run_loads(ctx: Context) -> list[dict[str, Any]]:
     prediction of the run is the planner's simulator on the very arrival times the engine gets; the closed
     form (steady state of an endless Poisson stream) and its error are beside it.
     """
-    from jaxserve.bench.load import arrival_offsets
-    from planner.serving import Workload, predict_serving
-    from planner.simulate import simulate
-
     cfg = ctx.cfg
     wl = Workload(input_len=cfg.load_input_len, output_len=cfg.load_output_len)
     base = predict_serving(ctx.spec, ctx.hw, replace(wl, request_rate=1.0), ctx.serving_config())
@@ -42,19 +41,19 @@ def run_loads(ctx: Context) -> list[dict[str, Any]]:
                        arrival_times=arrival_offsets(cfg.load_num_prompts, rate, load.burstiness, load.seed))
         reqs = generate(DatasetConfig(name="random", num_prompts=cfg.load_num_prompts, input_len=cfg.load_input_len,
                                       output_len=cfg.load_output_len, seed=cfg.seed + int(frac * 100)),
-                        ctx.spec.vocab_size, _avoid(ctx))
+                        ctx.spec.vocab_size, avoid_tokens(ctx))
         run = run_engine(ctx.engine, reqs, load, salt=ctx.next_salt())
         m = compute_metrics(run.records, run.duration)
         steps = _step_check(ctx, run)
-        rows.append(_row("load", {"load_fraction": frac, "request_rate": rate, "input_len": cfg.load_input_len,
+        rows.append(result_row("load", {"load_fraction": frac, "request_rate": rate, "input_len": cfg.load_input_len,
                                   "output_len": cfg.load_output_len, "num_prompts": cfg.load_num_prompts},
                          {"ttft_ms": sim.ttft.mean, "tpot_ms": sim.tpot.mean, "throughput": sim.output_tokens_per_s},
                          {"ttft_ms": m["mean_ttft_ms"], "tpot_ms": m["mean_tpot_ms"],
                           "throughput": m["output_throughput"]},
                          predicted_capacity_rps=capacity, closed_form_ttft_ms=closed.ttft.mean,
                          closed_form_tpot_ms=closed.tpot.mean,
-                         closed_form_ttft_error_pct=_err(closed.ttft.mean, m["mean_ttft_ms"]),
-                         closed_form_tpot_error_pct=_err(closed.tpot.mean, m["mean_tpot_ms"]),
+                         closed_form_ttft_error_pct=error_pct(closed.ttft.mean, m["mean_ttft_ms"]),
+                         closed_form_tpot_error_pct=error_pct(closed.tpot.mean, m["mean_tpot_ms"]),
                          measured_p99_ttft_ms=m["p99_ttft_ms"], predicted_p99_ttft_ms=sim.ttft.p99,
                          completed=m["completed"], failed=m["failed"],
                          predicted_decode_batch=sim.mean_decode_batch,
@@ -62,17 +61,15 @@ def run_loads(ctx: Context) -> list[dict[str, Any]]:
         ctx.log(f"load {frac:.0%} of {capacity:.2f} req/s: TTFT {m['mean_ttft_ms']:.1f} ms (pred {sim.ttft.mean:.1f},"
                 f" closed form {closed.ttft.mean:.1f}), TPOT {m['mean_tpot_ms']:.2f} ms (pred {sim.tpot.mean:.2f}, "
                 f"closed form {closed.tpot.mean:.2f}); steps measured/predicted: decode "
-                f"{_fmt(steps['measured_over_predicted_decode_step'])}, prefill "
-                f"{_fmt(steps['measured_over_predicted_prefill_step'])}; decode batch "
-                f"{_fmt(steps['measured_decode_batch'])} (pred {sim.mean_decode_batch:.1f})")
+                f"{fmt(steps['measured_over_predicted_decode_step'], '.2f')}, prefill "
+                f"{fmt(steps['measured_over_predicted_prefill_step'], '.2f')}; decode batch "
+                f"{fmt(steps['measured_decode_batch'], '.2f')} (pred {sim.mean_decode_batch:.1f})")
     return rows
 
 
 def predict_step_s(ctx: Context, step: StepRecord) -> float | None:
     """The step model's time for one measured step, from its own shape (the engine's StepStats: decode
     contexts, prefill chunks) at its padded token count (the engine's bucket); None for an empty step."""
-    from planner.step_model import StepShape, decode_shape, pad_tokens, prefill_shape, step_time_shape
-
     shape = StepShape()
     if step.num_decodes:  # decode_shape charges context + 1 per sequence; the engine counts KV incl. the new token
         shape = decode_shape(step.num_decodes, max(0.0, step.decode_context_tokens / step.num_decodes - 1))

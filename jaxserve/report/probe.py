@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxserve.calibrate.steps import PromptSource, measure_decode, measure_prefill
+from planner.step_model import step_time_shape
+
 PREFILL_TOKENS = 256
 DECODES, DECODE_CONTEXT, DECODE_STEPS = 4, 128, 16
 # Past this spread of a reference step's measured / predicted ratio the report says the machine was unsteady.
@@ -22,9 +25,6 @@ UNSTEADY_DRIFT = 1.15
 
 def probe(ctx: Any, when: str) -> dict[str, Any]:
     """Time the reference steps now (the engine must be idle); their predictions and ratios, labelled `when`."""
-    from jaxserve.calibrate.steps import PromptSource, measure_decode, measure_prefill
-    from planner.step_model import step_time_shape
-
     engine = ctx.engine
     ctx.next_salt()  # fresh prompts each time: a repeated one would be served from the prefix cache
     ids = PromptSource(engine, 7919 * ctx.cfg.seed + ctx.salt)

@@ -1,19 +1,13 @@
-"""Render a report dict (see `jaxserve.report.report`) as markdown tables and a three-panel PNG."""
+"""Render a report dict (see `jaxserve.report.run`) as markdown tables and a three-panel PNG."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from jaxserve.report.context import fmt, fmt_pct
+from jaxserve.report.disagg import markdown as disagg_markdown
 from jaxserve.report.probe import drift_note, probe_markdown
-
-
-def _f(v: Any, fmt: str = ".1f") -> str:
-    return "-" if v is None else format(v, fmt)
-
-
-def _pct(v: Any) -> str:
-    return "-" if v is None else f"{v:+.1f}%"
 
 
 def write_markdown(report: dict[str, Any], path: str | Path) -> None:
@@ -29,21 +23,22 @@ def write_markdown(report: dict[str, Any], path: str | Path) -> None:
                   f"(step fit median |error| {100 * cal['median_abs_error']:.1f}%), profile `{cal['profile']}`.", ""]
     lcf = s.get("load_closed_form") or {}
     lines += ["## Summary", "", "| metric | median abs error | target | met |", "|---|---|---|---|",
-              f"| TPOT (grid + loads) | {_f(s['median_abs_error_tpot_pct'])}% | <= 10% | {s['met']['tpot']} |",
-              f"| TTFT (grid + loads) | {_f(s['median_abs_error_ttft_pct'])}% | <= 15% | {s['met']['ttft']} |",
-              f"| throughput | {_f(s['median_abs_error_throughput_pct'])}% | | |",
-              f"| loads only (simulator on the run's arrival trace): TTFT / TPOT | {_f(s['load']['ttft'])}% / "
-              f"{_f(s['load']['tpot'])}% | | |",
-              f"| loads only, closed form (steady state): TTFT / TPOT | {_f(lcf.get('ttft'))}% / "
-              f"{_f(lcf.get('tpot'))}% | | |",
-              f"| grid only: TTFT / TPOT | {_f(s['grid']['ttft'])}% / {_f(s['grid']['tpot'])}% | | |", ""]
+              f"| TPOT (grid + loads) | {fmt(s['median_abs_error_tpot_pct'])}% | <= 10% | {s['met']['tpot']} |",
+              f"| TTFT (grid + loads) | {fmt(s['median_abs_error_ttft_pct'])}% | <= 15% | {s['met']['ttft']} |",
+              f"| throughput | {fmt(s['median_abs_error_throughput_pct'])}% | | |",
+              f"| loads only (simulator on the run's arrival trace): TTFT / TPOT | {fmt(s['load']['ttft'])}% / "
+              f"{fmt(s['load']['tpot'])}% | | |",
+              f"| loads only, closed form (steady state): TTFT / TPOT | {fmt(lcf.get('ttft'))}% / "
+              f"{fmt(lcf.get('tpot'))}% | | |",
+              f"| grid only: TTFT / TPOT | {fmt(s['grid']['ttft'])}% / {fmt(s['grid']['tpot'])}% | | |", ""]
     cp = s.get("chunked_prefill")
     if cp:
         lines += [f"Chunked prefill (planner chunk: step budget {cp['chunk_step_budget']}): p99 ITL / undisturbed "
-                  f"TPOT measured {_f(cp['measured_p99_over_undisturbed'], '.2f')}x (predicted "
-                  f"{_f(cp['predicted_p99_over_undisturbed'], '.2f')}x, target <= 2x: {s['met']['chunked_p99']}); "
-                  f"unchunked stall {_f(cp['measured_unchunked_max_over_undisturbed'])}x (predicted "
-                  f"{_f(cp['predicted_unchunked_max_over_undisturbed'])}x, target >= 5x: {s['met']['unchunked_stall']})"
+                  f"TPOT measured {fmt(cp['measured_p99_over_undisturbed'], '.2f')}x (predicted "
+                  f"{fmt(cp['predicted_p99_over_undisturbed'], '.2f')}x, target <= 2x: {s['met']['chunked_p99']}); "
+                  f"unchunked stall {fmt(cp['measured_unchunked_max_over_undisturbed'])}x (predicted "
+                  f"{fmt(cp['predicted_unchunked_max_over_undisturbed'])}x, target >= 5x: "
+                  f"{s['met']['unchunked_stall']})"
                   f"; predictions within 20%: {s['met']['chunked_prediction']}.", ""]
     if md := s.get("machine_drift"):
         lines += ["Machine drift over the run (largest / smallest measured-over-predicted ratio of the reference "
@@ -55,12 +50,12 @@ def write_markdown(report: dict[str, Any], path: str | Path) -> None:
     for r in rows:
         if r["kind"] == "grid":
             c = r["config"]
-            lines.append(f"| {c['batch_size']} | {c['context_len']} | {_f(r['predicted_ttft_ms'])} | "
-                         f"{_f(r['measured_ttft_ms'])} | {_pct(r['ttft_error_pct'])} | "
-                         f"{_f(r['predicted_tpot_ms'], '.2f')} | {_f(r['measured_tpot_ms'], '.2f')} | "
-                         f"{_pct(r['tpot_error_pct'])} | "
-                         f"{_f(r['predicted_throughput'])} | {_f(r['measured_throughput'])} | "
-                         f"{_pct(r['throughput_error_pct'])} |")
+            lines.append(f"| {c['batch_size']} | {c['context_len']} | {fmt(r['predicted_ttft_ms'])} | "
+                         f"{fmt(r['measured_ttft_ms'])} | {fmt_pct(r['ttft_error_pct'])} | "
+                         f"{fmt(r['predicted_tpot_ms'], '.2f')} | {fmt(r['measured_tpot_ms'], '.2f')} | "
+                         f"{fmt_pct(r['tpot_error_pct'])} | "
+                         f"{fmt(r['predicted_throughput'])} | {fmt(r['measured_throughput'])} | "
+                         f"{fmt_pct(r['throughput_error_pct'])} |")
     lines += ["", "## Online loads (Poisson)", "",
               "| load | req/s | TTFT pred | TTFT closed form | TTFT meas | err | TPOT pred | TPOT closed form "
               "| TPOT meas | err "
@@ -68,21 +63,21 @@ def write_markdown(report: dict[str, Any], path: str | Path) -> None:
     for r in rows:
         if r["kind"] == "load":
             c = r["config"]
-            lines.append(f"| {c['load_fraction']:.0%} | {c['request_rate']:.2f} | {_f(r['predicted_ttft_ms'])} | "
-                         f"{_f(r.get('closed_form_ttft_ms'))} | {_f(r['measured_ttft_ms'])} | "
-                         f"{_pct(r['ttft_error_pct'])}"
-                         f" | {_f(r['predicted_tpot_ms'], '.2f')} | {_f(r.get('closed_form_tpot_ms'), '.2f')} | "
-                         f"{_f(r['measured_tpot_ms'], '.2f')} | {_pct(r['tpot_error_pct'])} | "
-                         f"{_f(r['predicted_throughput'])} | {_f(r['measured_throughput'])} |")
+            lines.append(f"| {c['load_fraction']:.0%} | {c['request_rate']:.2f} | {fmt(r['predicted_ttft_ms'])} | "
+                         f"{fmt(r.get('closed_form_ttft_ms'))} | {fmt(r['measured_ttft_ms'])} | "
+                         f"{fmt_pct(r['ttft_error_pct'])}"
+                         f" | {fmt(r['predicted_tpot_ms'], '.2f')} | {fmt(r.get('closed_form_tpot_ms'), '.2f')} | "
+                         f"{fmt(r['measured_tpot_ms'], '.2f')} | {fmt_pct(r['tpot_error_pct'])} | "
+                         f"{fmt(r['predicted_throughput'])} | {fmt(r['measured_throughput'])} |")
     for r in rows:
         if r["kind"] == "load" and r.get("measured_steps"):
             lines.append(f"\nAt {r['config']['load_fraction']:.0%}: measured / predicted step time, median over "
                          f"{r['measured_steps']} steps: decode-only "
-                         f"{_f(r.get('measured_over_predicted_decode_step'), '.2f')}, with prefill "
-                         f"{_f(r.get('measured_over_predicted_prefill_step'), '.2f')}; mean decode batch "
-                         f"{_f(r.get('measured_decode_batch'))} (predicted {_f(r.get('predicted_decode_batch'))}, "
+                         f"{fmt(r.get('measured_over_predicted_decode_step'), '.2f')}, with prefill "
+                         f"{fmt(r.get('measured_over_predicted_prefill_step'), '.2f')}; mean decode batch "
+                         f"{fmt(r.get('measured_decode_batch'))} (predicted {fmt(r.get('predicted_decode_batch'))}, "
                          f"closed form "
-                         f"{_f(r.get('closed_form_decode_batch'))}).")
+                         f"{fmt(r.get('closed_form_decode_batch'))}).")
     lines += ["", "## Chunked prefill (decodes running while a long prompt arrives)", "",
               "| mode | step budget | prefill/step | undisturbed pred | meas | p99 ITL pred | meas | max ITL pred "
               "| meas | long TTFT pred | meas |", "|" + "---|" * 11]
@@ -90,11 +85,10 @@ def write_markdown(report: dict[str, Any], path: str | Path) -> None:
         if r["kind"] == "chunked-prefill":
             c = r["config"]
             lines.append(f"| {c['mode']} | {c['step_budget']} | {c['prefill_tokens_per_step']} | "
-                         f"{_f(r['predicted_undisturbed_itl_ms'])} | {_f(r['measured_undisturbed_itl_ms'])} | "
-                         f"{_f(r['predicted_p99_itl_ms'])} | {_f(r['measured_p99_itl_ms'])} | "
-                         f"{_f(r['predicted_max_itl_ms'])} | {_f(r['measured_max_itl_ms'])} | "
-                         f"{_f(r['predicted_ttft_ms'])} | {_f(r['measured_ttft_ms'])} |")
-    from jaxserve.report.disagg import markdown as disagg_markdown
+                         f"{fmt(r['predicted_undisturbed_itl_ms'])} | {fmt(r['measured_undisturbed_itl_ms'])} | "
+                         f"{fmt(r['predicted_p99_itl_ms'])} | {fmt(r['measured_p99_itl_ms'])} | "
+                         f"{fmt(r['predicted_max_itl_ms'])} | {fmt(r['measured_max_itl_ms'])} | "
+                         f"{fmt(r['predicted_ttft_ms'])} | {fmt(r['measured_ttft_ms'])} |")
 
     lines += [""] + disagg_markdown(report) + probe_markdown(report)
     lines += ["Errors are (predicted - measured) / measured. Grid predictions: the planner's discrete-event "

@@ -17,7 +17,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.core.engine_config import EngineConfig
-from jaxserve.model.llama import KVCaches, LlamaForCausalLM, resolve_dtype
+from jaxserve.model.checkpoint import load_checkpoint
+from jaxserve.model.dtypes import resolve_dtype
+from jaxserve.model.llama import KVCaches, LlamaForCausalLM
 from jaxserve.runner.parallel import (
     effective_spec,
     kv_sharding,
@@ -53,7 +55,6 @@ def load_model(config: EngineConfig, spec: ModelSpec, dtype: jnp.dtype,
     """
     if spec.synthetic:
         return LlamaForCausalLM(spec, dtype, rngs=nnx.Rngs(config.seed))
-    from jaxserve.model.weights import load_checkpoint
 
     tp = mesh.devices.size if mesh is not None else 1
     local = mesh is not None and all(d.process_index == jax.process_index() for d in mesh.devices.flat)

@@ -14,8 +14,11 @@ import time
 from typing import Any
 
 import click
+import uvicorn
 
 from jaxserve.engine.args import config_from_options, engine_options
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.server.app import build_app
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -49,11 +52,6 @@ def serve(host: str, port: int, served_model_name: str | None, log_interval: flo
     config = config_from_options(options, served_model_name=served_model_name)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jaxserve").setLevel(logging.INFO)
-
-    import uvicorn
-
-    from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.server.app import build_app
 
     t0 = time.monotonic()
     # Only process 0 serves; the followers of a multi-host mesh never return from building the engine.
