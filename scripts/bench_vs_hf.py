@@ -87,7 +87,7 @@ def main() -> None:
         ap.error("--repeats must be at least 1")
 
     from jaxserve import LLM, SamplingParams
-    from jaxserve.calibrate.calibrate import measure_bandwidth
+    from jaxserve.calibrate.microbench import measure_bandwidth
     from planner.model_spec import load_model_spec
 
     spec = load_model_spec(args.model)

@@ -27,9 +27,10 @@ import json
 import sys
 import time
 
-from jaxserve.calibrate.calibrate import calibrate, planner_dtype
+from jaxserve.calibrate.calibrate import calibrate
+from jaxserve.model.dtypes import planner_dtype
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.report.report import Context
+from jaxserve.report.context import Context
 from jaxserve.report.chunked import run_chunked
 from scripts.gpu_config import report_config
 

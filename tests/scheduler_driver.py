@@ -6,15 +6,15 @@ wrong page, a stale cached page or a page freed too early shows up), and samples
 whole context. Outputs therefore do not depend on batching, chunking, caching or preemption.
 
 With `async_scheduling` the driver runs the engine's asynchronous loop: step k is scheduled and run before
-step k-1's tokens reach the scheduler, its decodes carrying placeholders (-(s+1)) that the fake model resolves
-from step k-1's samples, as the real forward does on the device.
+step k-1's tokens reach the scheduler, its decodes carrying placeholders (`core.batch.placeholder`) that the fake
+model resolves from step k-1's samples, as the real forward does on the device.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from jaxserve.core.batch import RaggedBatch
+from jaxserve.core.batch import RaggedBatch, is_placeholder, placeholder_seq
 from jaxserve.core.request import Request
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import Scheduler, SchedulerConfig
@@ -32,12 +32,12 @@ class FakeModel:
 
     def step(self, batch: RaggedBatch, prev: np.ndarray | None = None) -> np.ndarray:
         """Write the batch's tokens, check every context, sample. `prev`: the previous step's samples, which
-        placeholder ids -(s+1) stand for."""
+        placeholder ids stand for."""
         def resolve(ids: np.ndarray) -> np.ndarray:
             ids = np.asarray(ids, dtype=np.int64)
-            if (ids < 0).any():
+            if is_placeholder(ids).any():
                 assert prev is not None, "a placeholder without a step in flight"
-                ids = np.where(ids < 0, prev[np.maximum(-ids - 1, 0)], ids)
+                ids = np.where(is_placeholder(ids), prev[np.maximum(placeholder_seq(ids), 0)], ids)
             return ids
 
         self.kv[batch.slot_mapping] = resolve(batch.token_ids)

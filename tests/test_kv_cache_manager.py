@@ -187,7 +187,7 @@ def test_cancel_admission_undoes_counters_and_locks() -> None:
     kv.admit(req)
     kv.cancel_admission(req)
     assert (kv.num_queried_tokens, kv.num_hit_tokens) == (queried, hits)
-    assert req.num_cached_tokens == -1 and req.num_computed_tokens == 0 and req.page_ids == []
+    assert req.num_cached_tokens is None and req.num_computed_tokens == 0 and req.page_ids == []
     assert kv.tree is not None and kv.tree.num_locked == 2  # only "a" (still held) locks its two full pages
     kv.integrity_check()
 

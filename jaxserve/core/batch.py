@@ -15,6 +15,24 @@ import numpy as np
 from jaxserve.core.request import Request
 
 
+# Under asynchronous scheduling a decode's newest token may still be on the device: its id is then a placeholder,
+# -(s + 1) for what sequence s of the step in flight draws. These three functions are the whole convention; they
+# take ints or arrays (numpy or jax) alike.
+def placeholder(seq: int) -> int:
+    """The token id standing for what sequence `seq` of the step in flight draws."""
+    return -(seq + 1)
+
+
+def is_placeholder(token_id):  # int or array -> bool or bool array
+    """Whether a token id (or each id of an array) is a placeholder rather than a real token."""
+    return token_id < 0
+
+
+def placeholder_seq(token_id):  # int or array -> int or int array
+    """The sequence index of the step in flight a placeholder stands for."""
+    return -token_id - 1
+
+
 @dataclass
 class RaggedBatch:
     """One engine step's work."""

@@ -37,7 +37,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: str | int | None = None
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
-    num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1 until admitted)
+    num_cached_tokens: int | None = None  # prefix-cache hit at first admission (None until admitted)
     page_ids: list[int] = field(default_factory=list)  # block table, one page per page_size tokens
     num_preemptions: int = 0
     first_scheduled_time: float | None = None

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxserve.core.batch import RaggedBatch, build_ragged_batch
+from jaxserve.core.batch import RaggedBatch, build_ragged_batch, placeholder
 from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.validation import resolve_max_tokens
 from jaxserve.kv.cache_manager import KVCacheManager
 
 POLICIES = ("fcfs", "lpm")
@@ -135,14 +136,8 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         n = req.num_prompt_tokens
-        if n == 0:
-            raise ValueError(f"request {req.request_id}: the prompt is empty")
-        if req.max_tokens < 1:
-            raise ValueError(f"request {req.request_id}: max_tokens must be at least 1, got {req.max_tokens}")
+        resolve_max_tokens(n, req.max_tokens, cfg.max_model_len)
         total = n + req.max_tokens
-        if total > cfg.max_model_len:
-            raise ValueError(f"request {req.request_id}: prompt ({n} tokens) + max_tokens ({req.max_tokens}) = "
-                             f"{total} tokens exceeds max_model_len ({cfg.max_model_len})")
         pages = self.kv.pages_for(total - 1)  # the last sampled token's KV is never computed
         if pages > self.kv.num_usable_pages:
             raise ValueError(f"request {req.request_id}: prompt ({n} tokens) + max_tokens ({req.max_tokens}) "
@@ -291,7 +286,7 @@ class Scheduler:
     def advance_after_dispatch(self, batch: RaggedBatch) -> list[tuple[Request, int, int]]:
         """Record a dispatched step before its tokens are known (asynchronous scheduling).
 
-        Like `update_after_step`, but each drawing sequence s gets the placeholder token -(s+1), which the
+        Like `update_after_step`, but each drawing sequence s gets the placeholder token `placeholder(s)`, which the
         next step's forward replaces on the device with what s drew. Returns (request, index into its
         output_token_ids, s) for each placeholder; the engine writes the real tokens there once the step is
         collected, before advancing the next step. A placeholder is always the last token, whose KV is not yet
@@ -304,7 +299,7 @@ class Scheduler:
             req.num_computed_tokens = int(batch.kv_lens[s])
             if batch.samples[s]:
                 placeholders.append((req, len(req.output_token_ids), s))
-                req.output_token_ids.append(-(s + 1))
+                req.output_token_ids.append(placeholder(s))
             self.kv.cache_full_pages(req)
         return placeholders
 

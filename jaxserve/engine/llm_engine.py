@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxserve.core.batch import RaggedBatch
+from jaxserve.core.batch import RaggedBatch, is_placeholder
 from jaxserve.core.engine_config import EngineConfig
 from jaxserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
 from jaxserve.core.request import Request, RequestStatus
@@ -29,6 +29,7 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import Scheduler, SchedulerConfig
 from jaxserve.core.stop_checker import StopChecker
 from jaxserve.core.tokenizer import load_tokenizer
+from jaxserve.core.validation import encode_prompt, resolve_max_tokens
 from jaxserve.kv.cache_manager import KVCacheManager
 from jaxserve.runner.model_builder import build_model_and_cache
 from jaxserve.runner.model_runner import ModelRunner, default_token_ladder, power_of_two_ladder
@@ -37,18 +38,9 @@ from planner.model_spec import load_model_spec
 
 log = logging.getLogger("jaxserve")
 
-# On a CPU the host shares cores with XLA: host work beside a wide step (whose matmuls run on every core) slowed
-# 64-request decoding from 120 to 188 ms per token on the 2-core machine, while one-token steps (single-threaded
-# GEMVs) gained 1-1.5 ms (`python scripts/bench_vs_hf.py --async-scheduling`, BUILD.md). Wider CPU steps therefore
-# run alone, as in the synchronous loop.
+# On a CPU the host shares cores with XLA: host work beside a wide step (whose matmuls run on every core) slows it
+# more than the overlap saves, so wider CPU steps run alone, as in the synchronous loop; see docs/tuning.md.
 CPU_OVERLAP_MAX_TOKENS = 8
-
-
-def context_length_error(max_model_len: int, prompt_len: int, max_tokens: int) -> str:
-    """vLLM's wording, which clients match on."""
-    return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the completion). "
-            "Please reduce the length of the messages or completion.")
 
 
 @dataclass
@@ -108,25 +100,12 @@ class LLMEngine:
 
     # Submission ----------------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt given as text or ids; text needs a tokenizer."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
-            return self.tokenizer.encode(prompt)
-        ids = [int(t) for t in prompt]
-        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})")
-        return ids
+        """Token ids of a prompt given as text or ids (`validation.encode_prompt`)."""
+        return encode_prompt(prompt, self.tokenizer, self.spec.vocab_size)
 
     def resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         """Completion budget: params.max_tokens, or the rest of the context when None; checked to fit."""
-        if prompt_len == 0:
-            raise ValueError("the prompt is empty")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - prompt_len
-        if max_tokens < 1 or prompt_len + max_tokens > self.max_model_len:
-            raise ValueError(context_length_error(self.max_model_len, prompt_len, max(max_tokens, 0)))
-        return max_tokens
+        return resolve_max_tokens(prompt_len, params.max_tokens, self.max_model_len)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                     arrival_time: float | None = None, cache_salt: str | None = None,
@@ -162,7 +141,7 @@ class LLMEngine:
         req = tracked.request
         req.status = RequestStatus.FINISHED_ABORTED
         req.finish_time = self.clock()
-        if req.output_token_ids and req.output_token_ids[-1] < 0:  # the in-flight step's token: dropped
+        if req.output_token_ids and is_placeholder(req.output_token_ids[-1]):  # in flight: dropped
             req.output_token_ids.pop()
         return self._output(tracked)
 
@@ -315,7 +294,7 @@ class LLMEngine:
         completion = CompletionOutput(index=0, text=tracked.stops.text, token_ids=list(req.output_token_ids),
                                       finish_reason=finish_reason, stop_reason=req.stop_reason,
                                       logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None)
-        cached = max(req.num_cached_tokens, 0)
+        cached = req.num_cached_tokens or 0
         metrics = RequestMetrics(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
                                  first_token_time=req.first_token_time, finish_time=req.finish_time,
                                  token_times=list(req.token_times), num_cached_tokens=cached,

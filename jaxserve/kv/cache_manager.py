@@ -23,6 +23,7 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass
 
+from jaxserve.core.batch import is_placeholder
 from jaxserve.core.request import Request
 from jaxserve.kv.page_allocator import PageAllocator
 from jaxserve.kv.radix_cache import RadixCache, RadixNode
@@ -123,7 +124,7 @@ class KVCacheManager:
             req.page_ids = list(match.page_ids)
             req.num_computed_tokens = len(match.page_ids) * self.page_size
             self._claim_tail(req, match.node)
-        if req.num_cached_tokens < 0:
+        if req.num_cached_tokens is None:
             holding.first_admission = True
             req.num_cached_tokens = req.num_computed_tokens
             if self.tree is not None:
@@ -138,7 +139,7 @@ class KVCacheManager:
             if self.tree is not None:
                 self.num_queried_tokens -= req.num_prompt_tokens
                 self.num_hit_tokens -= req.num_cached_tokens
-            req.num_cached_tokens = -1
+            req.num_cached_tokens = None
         self.free(req)
         req.num_computed_tokens = 0
 
@@ -233,7 +234,7 @@ class KVCacheManager:
                 or len(req.page_ids) <= holding.num_tree_pages):
             return False
         tokens = tuple(req.all_token_ids[n - rest: n])
-        if min(tokens) < 0:
+        if any(is_placeholder(t) for t in tokens):
             return False
         key = self._tail_key(holding.node)
         old = self._tails.pop(key, None)

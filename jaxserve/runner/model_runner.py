@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.core.batch import RaggedBatch
+from jaxserve.core.batch import RaggedBatch, is_placeholder, placeholder_seq
 from jaxserve.model.attention.metadata import AttentionMetadata
 from jaxserve.model.attention.paged_attention import default_q_blocks
 from jaxserve.runner.parallel import AXIS, fit_spec, params_shardings, put_global, replicated
@@ -33,10 +33,8 @@ from jaxserve.runner.sampler import SamplingArrays, sample_tokens
 
 WARM_REAL_TOKENS = 512  # warm-up runs buckets up to this size once with real work
 # Token buckets above this compile, on a CPU, with every dot a YNNPACK call of its own: from ~4096 rows XLA's CPU
-# backend fuses each RMSNorm into the next projection's YNNPACK dot, which then runs at ~60% of its unfused
-# speed (`small`'s gate/up dot 26 -> 104 ms a layer from 2048 to 4096 rows in a profile; norm + dot alone at
-# 4096 rows, 120 against 72 ms; BUILD.md). Below, the default fusions stay: with separate dots one-decode steps
-# ran ~1 ms slower (`python scripts/profile_step.py --model small --batch 1` under the equivalent XLA flag).
+# backend fuses each RMSNorm into the next projection's YNNPACK dot, which then runs well below its unfused speed.
+# Below, the default fusions stay, since separate dots slow decode steps. See docs/tuning.md.
 CPU_SEPARATE_DOTS_ABOVE = 2048
 CPU_SEPARATE_DOTS_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 WARM_HISTORY = 544  # ...after this many tokens of (trash) history: past a 512-token decode block, 256-token KV blocks
@@ -70,11 +68,9 @@ def default_token_ladder(limit: int) -> tuple[int, ...]:
     """The engine's token buckets when none are configured: powers of two to 16, half-octave steps above
     (16, 24, 32, 48, 64, 96, ...), eighth-octave steps above 256 (..., 256, 288, 320, 352, 384, ..., 512, 576, ...).
 
-    Above ~8 rows a CPU step's matmuls are no longer bound by reading the weights, so padded rows cost time:
-    20 decodes ran the `small` forward in 30.2 ms at a 24-token bucket against 34.4 ms at 32 (BUILD.md); above
-    256 a prefill step is compute-bound and every padded token costs as much as a real one. A multi-turn turn
-    of 257 new tokens beside 3 decodes ran at 320 with quarter-octave steps; at 288 it pads 11%, not 23%. Each
-    bucket is one more compile at start-up (`small`: 37 variants, 18 s with a warm compilation cache; BUILD.md)."""
+    Above ~8 rows a CPU step's matmuls are no longer bound by reading the weights, so padded rows cost time;
+    above 256 a prefill step is compute-bound and every padded token costs as much as a real one. Each bucket is
+    one more compile at start-up. See docs/tuning.md."""
     out = {b for b in half_octave_ladder(limit, start=16) if b <= 256}
     b = 256
     while b < limit:
@@ -108,8 +104,8 @@ class ModelRunner:
                  token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...],
                  cpu_kernels: bool = True) -> None:
         self.graphdef, self.params = nnx.split(model)
-        # The jitted calls take the parameters as a flat list: flattening the nnx State on every call cost
-        # ~0.3 ms per call in Python (two calls a step); a list of arrays flattens in C++.
+        # The jitted calls take the parameters as a flat list: the nnx State flattens in Python on every call (two
+        # calls a step), a list of arrays in C++ (docs/tuning.md).
         self.param_leaves, self._param_tree = jax.tree.flatten(self.params)
         self.kv_caches = kv_caches
         self.page_size = page_size
@@ -161,9 +157,9 @@ class ModelRunner:
     # Jitted bodies -------------------------------------------------------------------------------------------
     def _forward_impl(self, param_leaves, kv_caches, packed, prev_tokens):
         token_ids, positions, meta, logits_indices = self._unpack(packed)
-        # A token id -(s+1) stands for what sequence s of the previous step drew, still on the device.
-        token_ids = jnp.where(token_ids < 0, prev_tokens[jnp.clip(-token_ids - 1, 0, prev_tokens.shape[0] - 1)],
-                              token_ids)
+        # A placeholder stands for what a sequence of the previous step drew, still on the device.
+        drawn = prev_tokens[jnp.clip(placeholder_seq(token_ids), 0, prev_tokens.shape[0] - 1)]
+        token_ids = jnp.where(is_placeholder(token_ids), drawn, token_ids)
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._param_tree, param_leaves))
         hidden, kv_caches = model(token_ids, positions, kv_caches, meta, cpu_kernel=self.cpu_kernels)
         return hidden[logits_indices], kv_caches
@@ -229,8 +225,8 @@ class ModelRunner:
 
     def _put(self, tree: Any) -> Any:
         """Host arrays for a jitted call: as they are within one process (the call's C++ path places them by its
-        in_shardings far faster than `jax.device_put`, which costs ~0.25 ms per array), as global arrays when
-        the mesh spans processes."""
+        in_shardings far faster than `jax.device_put`; docs/tuning.md), as global arrays when the mesh spans
+        processes."""
         if self._replicated is None or self._replicated.is_fully_addressable:
             return tree
         return jax.tree.map(lambda x: put_global(x, self._replicated), tree)

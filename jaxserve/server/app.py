@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 import jaxserve
+from jaxserve.core.validation import PromptError, check_token_ids
 from jaxserve.server.metrics import ServerMetrics, StatsLogger
 from jaxserve.server.protocol import (
     ChatCompletionRequest,
@@ -250,9 +251,10 @@ def build_app(engine: Any, log_interval: float = 10.0) -> FastAPI:
         req = await parse(request, DetokenizeRequest)
         if engine.tokenizer is None:
             raise APIError(400, "This model has no tokenizer", "tokens")
-        bad = [t for t in req.tokens if not 0 <= t < engine.spec.vocab_size]
-        if bad:
-            raise APIError(400, f"Token id {bad[0]} is out of vocabulary", "tokens")
+        try:
+            check_token_ids(req.tokens, engine.spec.vocab_size)
+        except PromptError as e:
+            raise APIError(400, str(e), "tokens", e.code) from None
         return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     return app

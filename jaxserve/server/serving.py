@@ -19,7 +19,8 @@ from typing import Any
 
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.engine.llm_engine import context_length_error
+from jaxserve.core.validation import PromptError, encode_prompt, resolve_max_tokens
+from jaxserve.engine.async_engine import EngineDeadError
 from jaxserve.server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -81,26 +82,16 @@ class Generator:
     # ---- prompts ----
 
     def _token_ids(self, prompt: str | list[int], param: str, add_special_tokens: bool) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise APIError(400, "This model has no tokenizer; send the prompt as token ids", param, "invalid_value")
-            ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
-        else:
-            ids = list(prompt)
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise APIError(400, f"Token id {bad[0]} is out of vocabulary (size {self.vocab_size})", param,
-                               "invalid_value")
-        if not ids:
-            raise APIError(400, "The prompt is empty", param, "invalid_value")
-        return ids
+        try:
+            return encode_prompt(prompt, self.tokenizer, self.vocab_size, add_special_tokens)
+        except PromptError as e:
+            raise APIError(400, str(e), param, e.code) from None
 
     def _max_tokens(self, num_prompt: int, requested: int | None, param: str) -> int:
-        budget = requested if requested is not None else self.max_model_len - num_prompt
-        if budget < 1 or num_prompt + budget > self.max_model_len:
-            raise APIError(400, context_length_error(self.max_model_len, num_prompt, max(budget, 0)), param,
-                           "context_length_exceeded")
-        return budget
+        try:
+            return resolve_max_tokens(num_prompt, requested, self.max_model_len)
+        except PromptError as e:
+            raise APIError(400, str(e), param, e.code) from None
 
     def _subs(self, req_id: str, prompts: list[list[int]], req: CompletionRequest | ChatCompletionRequest,
               default_max: int | None, logprobs: int | None, param: str) -> list[_Sub]:
@@ -156,7 +147,7 @@ class Generator:
                 if err is not None:
                     if isinstance(err, ValueError):
                         raise APIError(400, str(err), None, "invalid_value")
-                    if type(err).__name__ == "EngineDeadError":
+                    if isinstance(err, EngineDeadError):
                         raise APIError(503, str(err), type_="service_unavailable")
                     raise err
                 if out is None:
