@@ -16,12 +16,12 @@ small chunks a calibration measures pin `attn_m_half` for all), `weights0` (matm
 `gemm_small0` (the FLOPs of GEMMs of at most SMALL_GEMM_ROWS rows, which jaxserve's CPU matmul kernel runs at
 a rate flat in the rows; the other GEMMs' FLOPs, in `compute0`, ramp with gemm_m_half), `head_small0` (the LM
 head's share of those: its kernel streams the embedding and adds little compute per row, so one rate for both
-made the fit trade the projections against the head and under-predict loaded steps by 16-28%),
+made the fit trade the projections against the head and under-predict loaded steps; see docs/tuning.md),
 `gemv0` (one-row matmuls), `kv0`, `comm_bw0` are the model's terms at efficiency 1 (`unit_terms`). Attention has
 its own efficiency: on a CPU the jnp paged attention runs far below the GEMMs, and sharing one efficiency made
-the fit trade long-context (chunked) steps against short prefills, over-predicting the latter by ~20%. Its
-per-pass term prices what a small chunk over a long history costs beyond its FLOPs (a 16-row chunk over 4k keys
-ran at about half the FLOP rate of a 128-row one on CPU; on a GPU each KV block is a few kernel launches). A
+the fit trade long-context (chunked) steps against short prefills, over-predicting the latter. Its per-pass
+term prices what a small chunk over a long history costs beyond its FLOPs (on a CPU such a chunk runs well below
+a large block's FLOP rate; on a GPU each KV block is a few kernel launches; docs/tuning.md). A
 non-negative least-squares fit on relative error (each row divided by its measured time) gives them; the GEMM
 half-efficiency size `gemm_m_half` is chosen from a grid. Terms the samples cannot separate keep the prior. The
 per-layer overhead folds into the per-step one (one model has one layer count), and `gemm_m_half` trades off

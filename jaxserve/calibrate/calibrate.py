@@ -48,18 +48,17 @@ class CalibrationConfig:
     """Sizes of the measurements; `quick()` is for tests."""
 
     # 2048 and 3072: long lone prefills, so the fit sees attention's cost apart from the chunked (mixed) steps'.
-    # With 2048 alone, the report's 4096-token prompt came out 5-22% slow (`reports/small-s61` to `-s77`): the
-    # CPU kernel's tiles of a long prompt run at a better rate than the many mixed steps' shorter chunks.
+    # With 2048 alone, the report's 4096-token prompt came out slow: the CPU kernel's tiles of a long prompt run at
+    # a better rate than the many mixed steps' shorter chunks (docs/tuning.md).
     prefill_lens: tuple[int, ...] = (16, 64, 256, 512, 2048, 3072)
     # Nine decode points of ten steps each: with five points of six steps, one noisy decode step moved the
     # report's TPOT headline by several percent.
     decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
     decode_contexts: tuple[int, ...] = (64, 512)
     decode_steps: int = 10
-    # Every decode point is measured in this many rounds over all of them, each a sample of its own: this VM's
-    # speed moves by 10-20% within seconds, and with one round, neighbouring points of one calibration differed
-    # by that much (`reports/small-s69`: one decode 19.3 ms at 70 tokens of context, 27.1 at 518), which moved the
-    # report's TPOT headline past its 10% limit.
+    # Every decode point is measured in this many rounds over all of them, each a sample of its own: a shared VM's
+    # speed moves within seconds, and with one round it skewed neighbouring points of one calibration enough to
+    # move the report's TPOT headline (docs/tuning.md).
     decode_rounds: int = 3
     max_decode_prompt_tokens: int = 4096  # skip decode points whose prompts (batch x context) cost more
     mixed_decodes: int = 4
@@ -170,8 +169,8 @@ def calibrate(engine, cfg: CalibrationConfig | None = None, progress: Progress |
     # With one model the weight term barely varies between steps, so it is measured: two rows through every
     # layer's widest weight, the engine's own; their bandwidth over the stream's is weight_bw_eff. One row runs
     # another kernel on a CPU (XLA's GEMV), whose rate the fit takes from the engine's one-decode steps
-    # (gemv_speedup): measured apart, its stream read 58-71 GB/s in a third of calibrations against 43-49 in
-    # the rest while the engine's one-row steps did not move. The one-row stream is kept as a measurement.
+    # (gemv_speedup): measured apart, its stream jumped between calibrations while the engine's one-row steps did
+    # not (docs/tuning.md). The one-row stream is kept as a measurement.
     streams = measure_weight_streams(engine_mlp_weights(engine), cpu_kernel=engine.runner.cpu_kernels)
     stream, stream_rows = streams[1], streams[2]
     fixed = {"weight_bw_eff": float(np.clip(stream_rows / bw, 0.01, 1.5))}

@@ -64,8 +64,7 @@ def measure_weight_streams(weights: list[Any], rows: tuple[int, ...] = (1, 2), r
     """Weight bytes/s of each `rows` count of tokens through `weights` ([in, ...] arrays, together more than a
     cache holds), as the model runs them (`linear`, with `cpu_kernel` as the engine has it): a decode's weight
     streaming. The row counts alternate and each keeps its median, so their ratio compares the two kernels in the
-    same state of the machine. Fifty repeats: a throwaway driver calling this four times on `small`'s shapes read
-    ratios of 1.22-1.29 with 50, 1.21-1.61 with 15."""
+    same state of the machine. Fifty repeats keep that ratio steady where fewer let it wander (docs/tuning.md)."""
     f = jax.jit(lambda x, ws: sum(linear(x, w, cpu_kernel).sum() for w in ws))
     k = weights[0].shape[0]
     xs = {r: jnp.ones((r, k), weights[0].dtype) for r in rows}
@@ -83,9 +82,9 @@ def measure_weight_streams(weights: list[Any], rows: tuple[int, ...] = (1, 2), r
 
 def engine_mlp_weights(engine) -> list[Any]:
     """The engine's own fused gate/up weights ([hidden, 2, intermediate], one per layer), or fresh arrays of that
-    shape when the model has none: the rate is measured on the memory a decode step reads. On this VM one row
-    streamed at 43-49 GB/s in most calibrations and at 58-71 in a third of them, fresh arrays or the engine's
-    own (`reports/small-s42`), while the engine's one-request TPOT stayed at 12-13 ms; the cause is not known."""
+    shape when the model has none: the rate is measured on the memory a decode step reads. On one VM the one-row
+    rate jumped in a third of calibrations, own weights or fresh, while the engine's one-request TPOT did not; the
+    cause is not known (docs/tuning.md)."""
     spec = engine.spec
     shape = (spec.hidden_size, 2, spec.intermediate_size)
     own = [w for w in engine.runner.param_leaves if tuple(w.shape) == shape]

@@ -8,8 +8,8 @@ give the undisturbed TPOT, all gaps give p99 and max ITL. The prediction builds 
 `chunked_prefill_itls` (page-aligned chunks as the runtime cuts them, or a part of a page when even one page
 per step misses the target). The predicted undisturbed TPOT is the step model's time of those same quiet steps
 (each from its own shape): most of them come after the long prompt, when the decodes' contexts have grown by
-its whole length in chunked steps, so a forecast at their starting context compared a 72-token step with a
-340-token one (-23% on `small`, an error of the comparison).
+its whole length in chunked steps, so a forecast at their starting context would compare a short-context step
+with long-context ones (an error of the comparison; docs/tuning.md).
 """
 
 from __future__ import annotations

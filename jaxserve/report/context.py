@@ -24,8 +24,8 @@ class ReportConfig:
     max_num_seqs: int = 32
     batch_sizes: tuple[int, ...] = (1, 4, 16)
     context_lens: tuple[int, ...] = (128, 512)
-    # 48 tokens: a one-request TPOT over 15 gaps (~0.3 s) moved by 15-25% between reports on this VM
-    # (`reports/small-s69` to `-s71`), enough to carry the TPOT headline past its 10% limit on its own.
+    # 48 tokens: a one-request TPOT over fewer gaps spans too short a time to average out a shared VM's swings,
+    # which alone could carry the TPOT headline past its limit; see docs/tuning.md.
     grid_output_len: int = 48
     load_input_len: int = 128
     load_output_len: int = 32

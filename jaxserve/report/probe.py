@@ -16,10 +16,8 @@ from planner.step_model import step_time_shape
 
 PREFILL_TOKENS = 256
 DECODES, DECODE_CONTEXT, DECODE_STEPS = 4, 128, 16
-# Past this spread of a reference step's measured / predicted ratio the report says the machine was unsteady.
-# Five checkpoints in a row right after calibrating `small` (a throwaway driver, ~70 s) spread 1.02-1.08x
-# (prefill) and 1.10-1.16x (decode, the median of 16 steps, then of 8); a slow spell during a report moved them
-# 1.23x and 1.30x (`reports/small-s33`, whose headline errors were 20-22% against 3-8% in the quiet runs).
+# Past this spread of a reference step's measured / predicted ratio the report says the machine was unsteady:
+# above what quiet checkpoints spread, below what a slow spell moves them; see docs/tuning.md.
 UNSTEADY_DRIFT = 1.15
 
 

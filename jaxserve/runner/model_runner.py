@@ -234,8 +234,9 @@ class ModelRunner:
     def dispatch(self, batch: RaggedBatch, sampling: SamplingArrays, prev: Any = None) -> Any:
         """Enqueue the forward and the sampler for `batch`; returns device futures for `collect`.
 
-        `prev` is the previous `dispatch`'s futures when `batch` holds placeholder token ids (-(s+1): the token
-        sequence s of that step draws); the forward reads them on the device, so the host need not wait.
+        `prev` is the previous `dispatch`'s futures when `batch` holds placeholder token ids
+        (`core.batch.placeholder`: the token sequence s of that step draws); the forward reads them on the device,
+        so the host need not wait.
         """
         if batch.num_seqs > self.max_num_seqs:
             raise ValueError(f"batch of {batch.num_seqs} sequences exceeds max_num_seqs={self.max_num_seqs}")
@@ -307,9 +308,9 @@ class ModelRunner:
         max_len = self.pages_per_seq * self.page_size
         for t in self.token_buckets:
             # Small buckets run real work once: the first execution that runs a bucket's loops costs more (its
-            # buffers, its threads), ~100 ms for a 320-token prefill on CPU, which would land on the first
-            # request. Past WARM_REAL_TOKENS that penalty is small beside the step itself and the work would slow
-            # start-up, so those buckets only compile (on an empty batch).
+            # buffers, its threads), which would land on the first request (docs/tuning.md). Past WARM_REAL_TOKENS
+            # that penalty is small beside the step itself and the work would slow start-up, so those buckets only
+            # compile (on an empty batch).
             batch = _trash_prefill(t, self.page_size, self.max_num_seqs, max_len) if t <= WARM_REAL_TOKENS else empty
             hidden_rows, self.kv_caches = self._forward_for(t)(self.param_leaves, self.kv_caches,
                                                                self._device_inputs(batch, t), self._no_prev)
@@ -348,7 +349,7 @@ def _trash_prefill(num_tokens: int, page_size: int, max_seqs: int = 1, max_len: 
     One decode, a prefill chunk for each of the smaller query-block sizes and one prefill of the rest (as many
     as `max_seqs` and `num_tokens` allow), all after a history of up to WARM_HISTORY tokens that fits in
     `max_len`: the loops of the bucket's attention run once (decode blocks, query blocks, masked and unmasked KV
-    blocks). A loop's first run costs up to ~100 ms on CPU, which would otherwise land on a request.
+    blocks). A loop's first run costs extra (its buffers, its threads), which would otherwise land on a request.
     """
     history = max(0, min(WARM_HISTORY, max_len - num_tokens))
     q_lens = [num_tokens]

@@ -4,8 +4,8 @@ Each row draws one uniform number from `fold_in(key(seed), step)`, where `step` 
 being generated, and inverts the filtered distribution's CDF in vocabulary order. A request's samples
 therefore depend only on its own logits, seed and position, never on what else shares the batch. The cut that
 top-k, top-p and min-p need is computed only when some row asks for them (`lax.cond`): on a GPU by sorting
-the vocabulary, on a CPU (where XLA's sort of 32k logits takes ~5 ms a row) by a 32-pass bitwise search over
-the values' order keys. An all-greedy batch skips the random draw entirely.
+the vocabulary, on a CPU (where XLA's sort of a vocabulary's logits is slow; docs/tuning.md) by a 32-pass
+bitwise search over the values' order keys. An all-greedy batch skips the random draw entirely.
 """
 
 from __future__ import annotations
@@ -86,9 +86,8 @@ def _largest_key(keys: jax.Array, weights: jax.Array, need: jax.Array) -> jax.Ar
 
 def _filter_threshold_search(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
     """`_filter_threshold` without the sort: each filter's cut found by a bitwise search over the values' order
-    keys (O(32 x vocab) per row). XLA's CPU sort of 32k logits took ~5 ms a row: 334 ms of sampling for 64 top-p
-    rows against 21 ms with this (a throwaway micro-benchmark), and the whole 64-row step 424 -> 112 ms
-    (`python scripts/profile_step.py --model small --batch 64 --top-p 0.9`)."""
+    keys (O(32 x vocab) per row), since XLA's CPU sort of a vocabulary's logits costs far more; see
+    docs/tuning.md."""
     vocab = scaled.shape[-1]
     top = jnp.max(scaled, axis=-1)
     e = jnp.exp(scaled - top[:, None])
@@ -135,8 +134,8 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
                                  lambda: jnp.full(scaled.shape[:1], -jnp.inf, scaled.dtype))
         return jnp.where(sampling, _draw(jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf), u), greedy)
 
-    # All of sampling is skipped when every row is greedy: with `first_argmax`, a 64-row greedy sampler on CPU
-    # went from 9.0 to 2.6 ms (a throwaway micro-benchmark of `sample_tokens` on 32k random logits).
+    # All of sampling is skipped when every row is greedy: a greedy batch draws no random numbers and computes no
+    # cut (docs/tuning.md).
     tokens = jax.lax.cond(jnp.any(sampling), draw, lambda: greedy).astype(jnp.int32)
     lse = jax.nn.logsumexp(logits, axis=-1)
     token_logprob = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
@@ -148,8 +147,7 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
 
 
 def first_argmax(x: jax.Array) -> jax.Array:
-    """`jnp.argmax(x, axis=-1)` (the first index of each row's maximum) as two plain reductions: XLA's CPU
-    argmax, a reduction over (value, index) pairs, took 4.4 ms for 64 rows of 32k logits, this 0.9 ms (a throwaway
-    micro-benchmark)."""
+    """`jnp.argmax(x, axis=-1)` (the first index of each row's maximum) as two plain reductions, which XLA's CPU
+    backend runs far faster than its argmax, a reduction over (value, index) pairs; see docs/tuning.md."""
     idx = jnp.where(x == jnp.max(x, axis=-1, keepdims=True), jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1])
     return jnp.minimum(jnp.min(idx, axis=-1), x.shape[-1] - 1).astype(jnp.int32)

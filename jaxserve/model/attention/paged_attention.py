@@ -23,37 +23,25 @@ from jaxserve.model.attention.metadata import AttentionMetadata
 # KV tokens per inner block (rounded to whole pages) and query rows per prefill block.
 DEFAULT_KV_BLOCK = 256
 # Off a CPU a prefill block reads 2048 keys: XLA's GPU runtime reads each loop iteration's condition back to the
-# host, so a 16-row chunk over a 4k-token history paid ~17 round trips per layer in 256-key blocks, and the
-# chunked-prefill ITL on an H200 was 2.2-2.6x the undisturbed TPOT (BUILD.md, "On a GPU").
+# host, so fewer, wider blocks mean fewer round trips per layer; see docs/tuning.md.
 ACCELERATOR_KV_BLOCK = 2048
 # Query rows per prefill block, largest first: a chunk is covered by whole blocks of the largest size, then of
-# the smaller ones (or one more padded larger block, when cheaper). On a CPU the 8- and 4-row blocks serve
-# sub-page chunks beside running decodes: `small`'s 12 layers of 4 decodes and a chunk over a 4k-token history
-# took 32.9-33.8 ms with a 16-row chunk, 26.5-27.5 with an 8-row one, 23.0-23.8 with a 4-row one (`python
-# scripts/bench_chunk_attention.py`); before, 8 and 4 rows paid for a 16-row block. Off a CPU every loop costs a
-# host round trip per layer even when it runs no block, so accelerators keep two sizes.
+# the smaller ones (or one more padded larger block, when cheaper). On a CPU the 8- and 4-row blocks let sub-page
+# chunks beside running decodes pay for their own rows only; off a CPU every loop costs a host round trip per layer
+# even when it runs no block, so accelerators keep two sizes. See docs/tuning.md.
 DEFAULT_Q_BLOCKS = (128, 16, 8, 4)
 ACCELERATOR_Q_BLOCKS = (128, 16)
 # On a CPU a query block reads the history it sees whole in wider KV blocks: as many keys as keep its score tile at
 # 3 x 128 rows x 1024 keys (`small`'s 128-row block with its 3 query heads a KV head), up to 2048, then a quarter
-# of that. Per block, XLA's CPU dots on a few rows cost mostly their call, and a 256-key block of 12 rows ran at
-# ~28 GFLOP/s in a profile. 12 layers of 4 decodes beside a 16/8/4-row chunk after 4000 tokens: 30.0/24.5/20.8 ->
-# 26.9/20.5/18.1 ms; a 64-token chunk after 3000: 46.7 -> 37.1 ms. With the tile widened from 256 to 1024 keys
-# for a 128-row block: a 4096-token prompt 1414 -> 1187 ms, 288 tokens after 1200 0.89x, 512 after 2048 0.84x;
-# a tile of 2048 keys was slower (throwaway A/Bs of two versions in one process, BUILD.md).
+# of that: XLA's CPU dots on a few rows cost mostly their call, so fewer, wider blocks pay it less (docs/tuning.md).
 WIDE_TILE = 384 * 1024
 WIDE_KV_BLOCK = 2048
 DEFAULT_DECODE_KV_BLOCK = 512
 # A decode's context past its last whole 512-token block goes in 32-token blocks: 128 read up to 96 masked tokens
-# per sequence and layer; 32 took 4-6% off decode TPOT at 1, 16 and 64 requests of `small` on CPU (a throwaway A/B
-# of two engines in one process, BUILD.md); 16 was slower (`python scripts/bench_attention.py --decodes 64
-# --prefills "" --context 192 --decode-tail-block 16`, then `32`: 6.4 vs 3.6 ms a layer).
+# per sequence and layer, and 16-token blocks were slower; see docs/tuning.md.
 DEFAULT_DECODE_TAIL_BLOCK = 32
-# A query block costs about as much as this many extra query rows (its KV gather and loop), measured on CPU with
-# `python scripts/bench_attention.py --decodes "" --prefills 128:1024 --q-blocks 16` (eight 16-row blocks, 4.2 ms)
-# against `--q-blocks 128` (one block, 2.3 ms): a 16-row block costs 0.23-0.25x of a 128-row one, (17..20 + 16) /
-# (17..20 + 128). Over a 4k-token history the same fit gives ~8 rows (the figures above DEFAULT_Q_BLOCKS); the
-# choices it makes (one 16-row block for 9-16 rows, one 8-row block for 5-8) are the same for either value.
+# A query block costs about as much as this many extra query rows (its KV gather and loop), as fitted on a CPU;
+# `_cover` makes the same choices across the fitted range. See docs/tuning.md.
 Q_BLOCK_OVERHEAD_ROWS = 20
 
 
@@ -121,7 +109,7 @@ def _decode_one(q1: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_row:
         kb = _gather_block(k_cache, page_row, first_page, pages).astype(jnp.float32)  # [B, kvh, d]
         vb = _gather_block(v_cache, page_row, first_page, pages).astype(jnp.float32)
         # Multiply-and-reduce rather than einsum: XLA fuses the gather into one pass over K (and V) instead of
-        # small batched dots with transposes (measured 1.5x faster on CPU at 1k context).
+        # small batched dots with transposes (docs/tuning.md).
         s = jnp.moveaxis(jnp.sum(kb[:, :, None, :] * qf[None], axis=-1), 0, -1)
         mask = (first_page * page_size + jnp.arange(pages * page_size) < kv_len)[None, None, :]
         pv = lambda p: jnp.sum(jnp.moveaxis(p, -1, 0)[..., None] * vb[:, :, None], axis=0)
@@ -170,10 +158,10 @@ def _prefill_block(qb: jax.Array, q_pos0: jax.Array, k_cache: jax.Array, v_cache
     """Causal attention of a query block qb [Bq, kvh, g, d] at positions q_pos0 + i, over KV [0, kv_end).
 
     Matmuls run in the canonical batched layout, KV head leading and a head's g x Bq query rows merged
-    ([kvh, g*Bq, d] against [kvh, t, d]): XLA's CPU dot then needs no per-block transposes of its result
-    (1.5x faster than the [Bq, kvh, g, d] einsum, measured on one block). The history every query sees whole
-    goes first in blocks of each of `wide_pages` pages (largest first, as many whole blocks of each as fit), then
-    in blocks of `block_pages` up to the diagonal, unmasked; the blocks the causal mask cuts come last.
+    ([kvh, g*Bq, d] against [kvh, t, d]): XLA's CPU dot then needs no per-block transposes of its result, as the
+    [Bq, kvh, g, d] einsum did (docs/tuning.md). The history every query sees whole goes first in blocks of each
+    of `wide_pages` pages (largest first, as many whole blocks of each as fit), then in blocks of `block_pages` up
+    to the diagonal, unmasked; the blocks the causal mask cuts come last.
     """
     bq, kvh, g, d = qb.shape
     page_size = k_cache.shape[1]
@@ -298,7 +286,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: 
     if t == 1:  # a one-token step is one query at the end of its sequence (or padding, when num_seqs is 0)
         if decode_mode == "batched":
             # One loop over decode_kv_block blocks: on a GPU each loop iteration waits for the host to read its
-            # condition, so the loop's 32-token tail blocks took a batch-1 forward from 3.3 to 5.9 ms (an H200).
+            # condition, so the per-row loop's extra tail blocks cost round trips there (docs/tuning.md).
             o = _decode_batched(qg[:1], k_cache, v_cache, page_table[:1], meta.kv_lens[:1], scale,
                                 decode_block_pages)[0]
         else:

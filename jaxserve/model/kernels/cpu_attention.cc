@@ -1,12 +1,11 @@
 // Paged attention over a ragged batch on a CPU, as an XLA FFI custom call.
 //
 // XLA's CPU code for these shapes (a few query rows against a long paged history, or a chunk against its own
-// causal triangle) ran at several times its floors and on one core of two; see BUILD.md, "The CPU attention
-// kernel". This kernel takes the same ragged batch as `paged_attention` in jnp (q [T, H, D]; K/V pools [pages,
-// page_size, kv_heads, D]; page_table [S, W]; kv_lens [S]; cu_q_lens [S+1]; num_seqs []) and computes causal GQA
-// attention over every sequence's pages with an online softmax. Work items are (sequence, KV head) pairs, with
-// long chunks split into tiles of query rows, spread over XLA's intra-op thread pool. Padded rows come back as
-// zeros.
+// causal triangle) ran at several times its floors and on one core; see docs/tuning.md. This kernel takes the
+// same ragged batch as `paged_attention` in jnp (q [T, H, D]; K/V pools [pages, page_size, kv_heads, D];
+// page_table [S, W]; kv_lens [S]; cu_q_lens [S+1]; num_seqs []) and computes causal GQA attention over every
+// sequence's pages with an online softmax. Work items are (sequence, KV head) pairs, with long chunks split into
+// tiles of query rows, spread over XLA's intra-op thread pool. Padded rows come back as zeros.
 
 #include <algorithm>
 #include <cmath>
@@ -235,7 +234,8 @@ void ScoreBlock(const float* qt, int mp, const float* const* keys, int nk4, floa
   }
 }
 
-// Query rows (tokens x group) per work item of the tile path, and the fewest a sequence needs to take it.
+// Query rows (tokens x group) per work item of the tile path, and the fewest a sequence needs to take it (fewer
+// stay on the per-key path, faster for them; see docs/tuning.md).
 constexpr int kTileRows = 96;
 constexpr int kMinTileRows = 8;
 
@@ -419,9 +419,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   std::memset(o + used * row_floats, 0, sizeof(float) * (tokens - used) * row_floats);
 
   const int n = static_cast<int>(items.size());
-  // Every step's items go to every thread, however few: a lone decode's pages read by one thread at ~10 GB/s, and
-  // XLA's threads, idle through it, went to sleep before the next projection, which then waited ~50 us for its
-  // second thread (BUILD.md, "One-row projections in parts").
+  // Every step's items go to every thread, however few: one thread alone reads a lone decode's pages slowly, and
+  // XLA's other threads, idle meanwhile, fall asleep and start the next projection late (docs/tuning.md).
   const int threads = static_cast<int>(pool.num_threads());
   const int dim = static_cast<int>(head_dim);
   jaxserve::ParallelFor(pool, n, threads, [problem, dim, items = std::move(items)](int i) {

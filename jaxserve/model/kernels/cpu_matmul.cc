@@ -2,12 +2,11 @@
 // head's embedding) for the few rows of decode steps and small chunks on a CPU, as XLA FFI custom calls.
 //
 // XLA's CPU dots (Eigen, YNNPACK) ran a decode step's 2-32-row projections far below the memory bandwidth that
-// streaming the weights once needs: `small`'s 48 matrices at 8 rows read 7-8 GB/s (see BUILD.md, "Whole-step
-// attention and few-row matmuls in C++"). Here each thread takes a band of w's columns and walks it in blocks of
-// kRowBlock rows of w: for every 16 columns it accumulates up to kMaxRows rows of y in registers over the block,
-// so w streams from memory as kRowBlock sequential row segments (the prefetcher follows those; the next block's
-// rows are prefetched into L2 as the current one is read) and y stays in cache between blocks. More rows than
-// kMaxRows take another pass. For w^T each thread takes a band of w's rows and walks them four at a time, the
+// streaming the weights once needs (docs/tuning.md). Here each thread takes a band of w's columns and walks it
+// in blocks of kRowBlock rows of w: for every 16 columns it accumulates up to kMaxRows rows of y in registers over
+// the block, so w streams from memory as kRowBlock sequential row segments (the prefetcher follows those; the next
+// block's rows are prefetched into L2 as the current one is read) and y stays in cache between blocks. More rows
+// than kMaxRows take another pass. For w^T each thread takes a band of w's rows and walks them four at a time, the
 // rows of x a few at a time against them (from L1), as 16-float partial dot products summed across lanes at the
 // end of each row; for 9-16 rows of x, eight rows of w at a time are broadcast against x^T instead (BcastRows).
 // One row of x against w takes w's rows in contiguous parts instead of its columns in bands (RunOneRow).
@@ -81,9 +80,8 @@ void BandAny(const Problem& p, int rows, int64_t m0, int64_t c0, int64_t c1) {
   }
 }
 
-// Rows of w ahead of the ones being read that x @ w^T prefetches into L2: without, 4 and 8 rows of x against
-// `small`'s 98 MB embedding read it at 20 and 17 GB/s (one row: 27); 8 rows ahead, 26 and 22 (4 and 16 rows
-// ahead were no better).
+// Rows of w ahead of the ones being read that x @ w^T prefetches into L2: an embedding comes from memory, and
+// without the prefetch a few rows of x read it well below one row's rate; see docs/tuning.md.
 constexpr int kDotPrefetchRows = 8;
 
 // y[m, n] = x[m] . w[n] for rows [n0, n1) of w, MB rows of x at a time against 4 rows of w.
@@ -125,12 +123,10 @@ void DotBand(const Problem& p, int64_t n0, int64_t n1) {
 }
 
 // x @ w^T for kBcastMinRows to kLanes rows of x. Four rows of w against four rows of x at a time re-read all of
-// x (from L2: 16 rows of `small`'s are 48 KB) for every four rows of w and sum every output across lanes: over
-// `small`'s embedding 16 rows took 6.6 ms against 3.5 at 8 (a throwaway two-thread micro-benchmark). Here x^T
+// x (from L2: 16 rows of `small`'s are 48 KB) for every four rows of w and sum every output across lanes. Here x^T
 // ([K][16], rows padded with zeros) is laid out once, and each element of kBcastRows rows of w is broadcast
 // against its 16-row vector, so y's columns accumulate in registers and x^T streams once per kBcastRows rows of
-// w: 12 rows 4.9 -> 3.9 ms, 16 rows 6.6 -> 4.5 in the same benchmark; at 8 rows and fewer the four-by-four
-// blocks stay faster (3.5 against 3.9 at 8).
+// w. At 8 rows and fewer the four-by-four blocks stay faster; see docs/tuning.md.
 constexpr int kBcastRows = 8;
 constexpr int kBcastMinRows = 9;
 
@@ -162,8 +158,7 @@ void BcastBand(const Problem& p, const float* xt, int64_t n0, int64_t n1) {
 // runs of at least kMinPartRows rows, claimed by the threads one at a time, each summed into its own partial y,
 // and the partials added at the end. With more parts than threads, a thread the OS takes away for a while (the
 // engine's Python thread shares the cores under asynchronous scheduling) holds up only the part it claimed, not
-// half the matrix: one-request steps 16.64 -> 16.16 ms with asynchronous scheduling, the same without (BUILD.md,
-// "One-row projections in parts").
+// half the matrix; see docs/tuning.md.
 constexpr int kRowParts = 16;
 constexpr int kMinPartRows = 32;
 // Bands of w's rows per thread for x @ w^T: its bands are contiguous in memory however many there are, and more

@@ -1,9 +1,8 @@
 """Matmuls of a few rows on a CPU (`cpu_matmul.cc`), called through jax.ffi: x @ w, and x @ w^T for a tied LM head.
 
 A decode step's projections are x [T, in] @ w [in, out] with T the number of decodes: reading w once is the
-floor, and XLA's CPU dots ran them at a fraction of it (`small`'s decode forward at 8 requests: 41.3 ms against
-21.3 with the kernel; BUILD.md, "Whole-step attention and few-row matmuls in C++"). From MAX_ROWS rows on, XLA's
-GEMM (YNNPACK) is as fast or faster and keeps them. Built with the other CPU kernels (`cpu_kernels`).
+floor, and XLA's CPU dots ran them at a fraction of it (docs/tuning.md). From MAX_ROWS rows on, XLA's GEMM
+(YNNPACK) is as fast or faster and keeps them. Built with the other CPU kernels (`cpu_kernels`).
 """
 
 from __future__ import annotations
@@ -15,8 +14,7 @@ from jaxserve.model.kernels import cpu_kernels
 
 TARGET = "jaxserve_matmul"
 TARGET_NT = "jaxserve_matmul_nt"
-# Rows up to which the kernel beats XLA's dots on `small`'s matrices (32 rows: 49 vs 67 ms for all 48; 64 rows:
-# 94 vs 67; BUILD.md).
+# Rows up to which the kernel beats XLA's dots on `small`'s matrices; see docs/tuning.md.
 MAX_ROWS = 32
 
 

@@ -1,7 +1,8 @@
 // 16-float vectors for jaxserve's CPU kernels (cpu_attention.cc, cpu_matmul.cc).
 //
 // 16 floats in whatever SIMD registers the target has (one AVX-512 register, two AVX2 ones, ...). Written out
-// rather than left to the auto-vectoriser, which turned the attention's P.V loop into gathers across keys.
+// rather than left to the auto-vectoriser, which turned the attention's P.V loop into gathers across keys
+// (docs/tuning.md).
 
 #ifndef JAXSERVE_MODEL_CPU_VEC_H_
 #define JAXSERVE_MODEL_CPU_VEC_H_
