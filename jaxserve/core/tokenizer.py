@@ -2,8 +2,8 @@
 
 `load_tokenizer(model, spec)` picks the backend: synthetic presets get `ByteTokenizer` (ids 0-255 are bytes,
 then BOS and EOS as the preset says); a checkpoint folder with `tokenizer.json` gets `HFTokenizer`; a folder
-without one gets None (the engine then accepts token-id prompts only). `IncrementalDetokenizer` turns a
-stream of ids into text deltas without splitting multi-byte UTF-8 characters.
+without one gets None (the engine then accepts token-id prompts only).
+(Streams of ids become text in `core/detokenizer.py`.)
 
 `apply_chat_template` returns text that already holds the template's special tokens (e.g. BOS): encode it
 with `add_special_tokens=False`.
@@ -192,47 +192,3 @@ def load_tokenizer(model: str | Path, spec: ModelSpec | None = None) -> Tokenize
     if (folder / "tokenizer.json").is_file():
         return HFTokenizer(folder, spec)
     return None
-
-
-class IncrementalDetokenizer:
-    """Text deltas for a stream of token ids; never splits a multi-byte character.
-
-    Decodes a short window (a few tokens of context plus the unread ones) each step, so spacing rules of
-    sentencepiece-style tokenizers see their left context; holds text back while it ends in an incomplete
-    UTF-8 sequence (U+FFFD).
-    """
-
-    CONTEXT = 5
-
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None,
-                 skip_special_tokens: bool = True):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = list(prompt_ids[-self.CONTEXT :]) if prompt_ids else []
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
-        self.text = ""
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def push(self, token_id: int) -> str:
-        """Add one id; return the newly complete text (possibly empty)."""
-        self.ids.append(int(token_id))
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset :])
-        if full.endswith("\ufffd") or len(full) <= len(prefix):
-            return ""
-        delta = full[len(prefix) :]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        self.text += delta
-        return delta
-
-    def flush(self) -> str:
-        """Whatever is held back (e.g. an incomplete character at the end of generation)."""
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset :])
-        delta = full[len(prefix) :]
-        self.prefix_offset = self.read_offset = len(self.ids)
-        self.text += delta
-        return delta
