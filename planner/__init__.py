@@ -1,8 +1,8 @@
 """The jaxserve planner: roofline + queueing capacity model. Pure Python and numpy; never imports JAX.
 
 Entry points (see planner.api): `plan(PlanRequest) -> PlanResult`, `predict_step`, `predict_serving`,
-`choose_chunk_size`, `fit_coefficients` (calibration), `pool_balance` (disaggregated pools); the memory
-formula the runtime sizes its KV pool with is `planner.memory.kv_pool_pages`.
+`choose_chunk_size`, `choose_num_scheduler_steps`, `fit_coefficients` (calibration), `pool_balance`
+(disaggregated pools); the memory formula the runtime sizes its KV pool with is `planner.memory.kv_pool_pages`.
 """
 
 from planner.api import (
@@ -10,6 +10,7 @@ from planner.api import (
     PlanRequest,
     PlanResult,
     choose_chunk_size,
+    choose_num_scheduler_steps,
     chunked_prefill_itls,
     plan,
     predict_serving,
@@ -23,7 +24,8 @@ from planner.serving import ServingConfig, ServingPrediction, Workload
 
 __all__ = [
     "CATALOG", "ChunkChoice", "Coefficients", "Hardware", "PlanRequest", "PlanResult", "PoolBalance", "Sample",
-    "ServingConfig", "ServingPrediction", "Workload", "choose_chunk_size", "chunked_prefill_itls",
+    "ServingConfig", "ServingPrediction", "Workload", "choose_chunk_size", "choose_num_scheduler_steps",
+    "chunked_prefill_itls",
     "fit_coefficients", "load_hardware", "plan", "pool_balance", "predict_serving", "predict_step", "save_profile",
     "unit_terms", "with_coefficients",
 ]

@@ -137,6 +137,23 @@ def choose_chunk_size(model: str | ModelSpec, hardware: str | Path | Hardware, i
     return _chunk_choice(spec, hw, prompt_len, lo * page_size + decode_batch, kw)
 
 
+def choose_num_scheduler_steps(model: str | ModelSpec, hardware: str | Path | Hardware, *, decode_batch: int = 1,
+                               context_len: int = 512, tp: int = 1, dtype: str = "bf16",
+                               kv_dtype: str | None = None, max_steps: int = 8, share: float = 0.05) -> int:
+    """Fewest decode steps per dispatch at which the host's dispatch overhead (`dispatch_overhead_s`) is at most
+    `share` of a decode step of `decode_batch` sequences, up to `max_steps`; 1 when it costs nothing. More steps
+    only delay new arrivals' prefills and waste draws past a stop, so the smallest that hides the host wins."""
+    spec, hw = resolve_model(model), load_hardware(hardware)
+    dispatch = hw.coefficients.dispatch_overhead_s
+    if dispatch <= 0:
+        return 1
+    one = step_time_shape(spec, hw, decode_shape(decode_batch, context_len), tp=tp, dtype=dtype,
+                          kv_dtype=kv_dtype).total_s
+    # dispatch / k <= share x (one - dispatch + dispatch / k), the step with k steps a dispatch
+    device = max(one - dispatch, 1e-12)
+    return int(min(max_steps, max(1, math.ceil(dispatch * (1 - share) / (share * device)))))
+
+
 def _chunk_choice(spec: ModelSpec, hw: Hardware, prompt_len: int, chunk: int, kw: dict[str, Any]) -> ChunkChoice:
     """The step times of budget `chunk` beside the decodes of `kw` (`chunked_prefill_itls`'s arguments), and
     their undisturbed and unchunked ones."""
@@ -172,6 +189,7 @@ class PlanRequest:
     dtype: str = "bf16"
     kv_dtype: str | None = None
     gpu_memory_utilization: float = 0.9
+    num_scheduler_steps: int = 1  # decode steps per dispatch (the runtime's --num-scheduler-steps)
     disaggregate: bool = False
     simulate: bool = False
     simulate_requests: int = 600
@@ -215,7 +233,7 @@ class PlanResult:
             "model": self.spec.name, "hardware": self.hardware.name, "num_devices": self.request.num_devices,
             "config": {"tp": c.tp, "replicas": c.replicas, "max_num_seqs": c.max_num_seqs,
                        "chunk_size": c.chunk_size, "page_size": c.page_size, "dtype": c.dtype,
-                       "kv_dtype": c.kv_dtype or c.dtype},
+                       "kv_dtype": c.kv_dtype or c.dtype, "num_scheduler_steps": c.num_scheduler_steps},
             "workload": {"input_len": self.request.input_len, "output_len": self.request.output_len,
                          "spread": self.request.spread, "prefix_hit": self.request.prefix_hit,
                          "request_rate": self.request.request_rate,
@@ -276,7 +294,7 @@ def plan(req: PlanRequest) -> PlanResult:
     cands = search(spec, hw, wl, req.num_devices, tp=req.tp, max_num_seqs=req.max_num_seqs,
                    chunk_size=req.chunk_size, page_size=req.page_size, dtype=req.dtype, kv_dtype=req.kv_dtype,
                    gpu_memory_utilization=req.gpu_memory_utilization, ttft_slo_ms=req.ttft_slo_ms,
-                   tpot_slo_ms=req.tpot_slo_ms)
+                   tpot_slo_ms=req.tpot_slo_ms, num_scheduler_steps=req.num_scheduler_steps)
     best = cands[0]
     result = PlanResult(request=req, spec=spec, hardware=hw, best=best, candidates=cands)
     if not best.prediction.stable:

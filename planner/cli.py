@@ -48,6 +48,8 @@ def _positive(name: str, value: float | None) -> None:
 @click.option("--kv-dtype", default=None, type=click.Choice(DTYPES), help="KV-cache dtype (default: --dtype).")
 @click.option("--gpu-memory-utilization", default=0.9, show_default=True, type=float,
               help="Fraction of device memory for weights + workspace + KV.")
+@click.option("--num-scheduler-steps", default=1, show_default=True, type=int,
+              help="Decode steps per dispatch (the runtime's flag): the host overhead is paid once per dispatch.")
 @click.option("--disaggregate", is_flag=True, help="Also plan separate prefill and decode pools.")
 @click.option("--simulate", is_flag=True, help="Check the chosen config with a discrete-event simulation.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the report.")
@@ -55,7 +57,8 @@ def _positive(name: str, value: float | None) -> None:
 def plan(model: str, hardware: str, num_devices: int | None, input_len: int, output_len: int, spread: float,
          prefix_hit: float, request_rate: float | None, concurrency: float | None, ttft_slo_ms: float | None,
          tpot_slo_ms: float | None, tp: int | None, max_num_seqs: int | None, chunk_size: int | None,
-         page_size: int, dtype: str, kv_dtype: str | None, gpu_memory_utilization: float, disaggregate: bool,
+         page_size: int, dtype: str, kv_dtype: str | None, gpu_memory_utilization: float,
+         num_scheduler_steps: int, disaggregate: bool,
          simulate: bool, as_json: bool, top: int) -> None:
     """Plan a deployment: TP, replicas, max_num_seqs, chunk size, and the TTFT/TPOT users will see."""
     if num_devices is None:
@@ -66,7 +69,8 @@ def plan(model: str, hardware: str, num_devices: int | None, input_len: int, out
                     ("--request-rate", request_rate), ("--concurrency", concurrency), ("--tp", tp),
                     ("--max-num-seqs", max_num_seqs), ("--chunk-size", chunk_size), ("--page-size", page_size),
                     ("--ttft-slo-ms", ttft_slo_ms), ("--tpot-slo-ms", tpot_slo_ms),
-                    ("--gpu-memory-utilization", gpu_memory_utilization)]:
+                    ("--gpu-memory-utilization", gpu_memory_utilization),
+                    ("--num-scheduler-steps", num_scheduler_steps)]:
         _positive(name, v)
     if not 0 <= spread < 1 or not 0 <= prefix_hit < 1:
         raise click.UsageError("--spread and --prefix-hit must be in [0, 1)")
@@ -77,7 +81,7 @@ def plan(model: str, hardware: str, num_devices: int | None, input_len: int, out
                       concurrency=concurrency, ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms, tp=tp,
                       max_num_seqs=max_num_seqs, chunk_size=chunk_size, page_size=page_size, dtype=dtype,
                       kv_dtype=kv_dtype, gpu_memory_utilization=gpu_memory_utilization,
-                      disaggregate=disaggregate, simulate=simulate)
+                      num_scheduler_steps=num_scheduler_steps, disaggregate=disaggregate, simulate=simulate)
     try:
         result = run_plan(req)
     except (ModelSpecError, HardwareError, ConfigError, DoesNotFitError, ValueError) as e:

@@ -52,6 +52,9 @@ class Coefficients:
     # The LM head's GEMM of at most SMALL_GEMM_ROWS rows, the same way; 0: as the other small GEMMs.
     head_small_eff_scale: float = 0.0
     gemv_speedup: float = 1.0  # weight-read rate of a one-row matmul (GEMV) over a multi-row one's
+    # Host seconds per dispatch (scheduling, input and output copies) within step_overhead_s: a run of k decode
+    # steps in one dispatch pays it once, so each of its steps costs (1 - 1/k) x this less.
+    dispatch_overhead_s: float = 0.0
 
     def to_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
@@ -64,6 +67,7 @@ COEFFICIENT_DOCS: dict[str, str] = {
     "kv_bw_eff": "achieved / peak memory bandwidth reading the paged KV cache",
     "comm_eff": "achieved / peak link bandwidth of the ring all-reduce",
     "step_overhead_s": "fixed seconds per engine step",
+    "dispatch_overhead_s": "host seconds per dispatch within step_overhead_s, paid once by k decode steps a dispatch",
     "layer_overhead_s": "fixed seconds per layer per step",
     "seq_overhead_s": "fixed seconds per sequence in a step",
     "prefill_token_overhead_s": "seconds per prefill token not explained by FLOPs or bytes",

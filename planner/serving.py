@@ -98,7 +98,8 @@ class _Model:
             shape = shape + prefill_shape(q, computed)
         return step_time_shape(self.spec, self.hw, shape, tp=self.cfg.tp, dtype=self.cfg.dtype,
                                kv_dtype=self.cfg.kv_dtype,
-                               padded_tokens=pad_tokens(shape.num_tokens, self.cfg.token_buckets)).total_s
+                               padded_tokens=pad_tokens(shape.num_tokens, self.cfg.token_buckets),
+                               steps_per_dispatch=self.cfg.num_scheduler_steps).total_s
 
     def t_dec(self, b: float) -> float:
         """Decode-only step with b sequences (linear interpolation between integers)."""
@@ -364,7 +365,7 @@ def predict_serving(spec: ModelSpec, hw: Hardware, workload: Workload, config: S
         st = _solve(m, lam)
     b = st.batch if st.stable else m.slots
     dec = step_time_shape(spec, hw, decode_shape(max(1, round(b)), m.ctx), tp=config.tp, dtype=config.dtype,
-                          kv_dtype=config.kv_dtype)
+                          kv_dtype=config.kv_dtype, steps_per_dispatch=config.num_scheduler_steps)
     # The step carrying a prompt's (first) chunk beside the running decodes.
     q = min(m.budget(b), round(workload.computed_input))
     chunk_shape = prefill_shape(q, m.prefix)

@@ -259,8 +259,11 @@ def _collective_s(hw: Hardware, tp: int, payload: float, allgather: bool, eff: f
 
 
 def time_ops(ops: Sequence[OpCost], spec: ModelSpec, shape: StepShape, hw: Hardware, *, tp: int = 1,
-             dtype: str = "bf16", coefficients: Coefficients | None = None) -> StepTime:
-    """Combine operation costs into a step time with `coefficients` (default: the hardware's)."""
+             dtype: str = "bf16", coefficients: Coefficients | None = None, steps_per_dispatch: int = 1) -> StepTime:
+    """Combine operation costs into a step time with `coefficients` (default: the hardware's).
+
+    A decode-only step run `steps_per_dispatch` at a time (`--num-scheduler-steps`) pays its share of one
+    dispatch's host overhead (`dispatch_overhead_s`) instead of a whole one."""
     c = coefficients or hw.coefficients
     peak = hw.peak(dtype)
     compute = weight = kv = comm = ideal_comm = 0.0
@@ -289,7 +292,8 @@ def time_ops(ops: Sequence[OpCost], spec: ModelSpec, shape: StepShape, hw: Hardw
         for _ in range(op.collectives):
             comm += _collective_s(hw, tp, op.comm_bytes, op.allgather, c.comm_eff) * n
             ideal_comm += _collective_s(hw, tp, op.comm_bytes, op.allgather, 1.0) * n
-    overhead = (c.step_overhead_s + spec.num_layers * c.layer_overhead_s + shape.num_seqs * c.seq_overhead_s
+    shared = c.dispatch_overhead_s * (1 - 1 / steps_per_dispatch) if shape.prefill_tokens == 0 else 0.0
+    overhead = (c.step_overhead_s - shared + spec.num_layers * c.layer_overhead_s + shape.num_seqs * c.seq_overhead_s
                 + shape.prefill_tokens * c.prefill_token_overhead_s)
     roofline = max(flops / peak, nbytes / hw.memory_bw) + ideal_comm
     total = compute + weight + kv + comm + overhead
@@ -318,12 +322,14 @@ def prefill_chunk_tokens(computed: int, owed: int, budget: int, page_size: int =
 
 def step_time_shape(spec: ModelSpec, hw: Hardware, shape: StepShape, *, tp: int = 1, dtype: str = "bf16",
                     kv_dtype: str | None = None, coefficients: Coefficients | None = None,
-                    padded_tokens: int = 0) -> StepTime:
-    """Step time for an aggregated `StepShape` (what the serving model and the simulator call)."""
+                    padded_tokens: int = 0, steps_per_dispatch: int = 1) -> StepTime:
+    """Step time for an aggregated `StepShape` (what the serving model and the simulator call); a decode-only
+    step with `steps_per_dispatch` > 1 is one of that many run in one dispatch."""
     if shape.num_tokens <= 0:
         return StepTime(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, shape)
     ops = op_costs(spec, shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype, padded_tokens=padded_tokens)
-    return time_ops(ops, spec, shape, hw, tp=tp, dtype=dtype, coefficients=coefficients)
+    return time_ops(ops, spec, shape, hw, tp=tp, dtype=dtype, coefficients=coefficients,
+                    steps_per_dispatch=steps_per_dispatch)
 
 
 def step_time(spec: ModelSpec, hw: Hardware, decode_context_lens: Iterable[int] = (),

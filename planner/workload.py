@@ -49,6 +49,7 @@ class ServingConfig:
     kv_dtype: str | None = None
     gpu_memory_utilization: float = 0.9
     token_buckets: tuple[int, ...] = ()  # the runtime's token padding ladder; () = no padding
+    num_scheduler_steps: int = 1  # decode steps per dispatch while every running request decodes
 
     @property
     def num_devices(self) -> int:

@@ -46,6 +46,9 @@ def test_samples_cover_prefill_decode_and_mixed_steps(calibration):
     assert m["weight_stream_gbps"] > 0 and m["weight_stream_2_rows_gbps"] > 0
     assert any(s.shape.num_decode == 1 and s.shape.prefill_tokens == 0 for s in calibration.samples)
     assert 0.5 <= calibration.hardware.coefficients.gemv_speedup <= 3.0
+    # The host's share of a dispatch, from one request at one and at several decode steps a dispatch.
+    assert calibration.hardware.coefficients.dispatch_overhead_s == pytest.approx(m["dispatch_overhead_ms"] / 1e3)
+    assert m["dispatch_overhead_ms"] >= 0 and 1 <= m["recommended_num_scheduler_steps"] <= 8
 
 
 def test_step_budget_restores_the_scheduler(tiny_llm):

@@ -29,13 +29,16 @@ from jaxserve.calibrate.steps import (
     PromptSource,
     StepSample,
     measure_decode,
+    measure_dispatch_overhead,
     measure_mixed,
     measure_prefill,
+    one_step_dispatches,
     step_budget,
     warm_engine,
 )
 from jaxserve.model.attention.paged_attention import smallest_chunk
 from jaxserve.model.dtypes import planner_dtype
+from planner.api import choose_num_scheduler_steps
 from planner.calibration import Sample, fit_coefficients
 from planner.hardware import GIGA, Hardware
 from planner.step_model import step_time_shape
@@ -71,6 +74,11 @@ class CalibrationConfig:
     mixed_small_chunks: tuple[int, ...] | None = None  # None: a page and this backend's smallest query block
     mixed_small_prompt_len: int = 2048
     mixed_small_samples: int = 8
+    # One request's tokens with one decode step a dispatch against `dispatch_steps` a dispatch, alternating: the
+    # host overhead per dispatch (`dispatch_overhead_s`) that --num-scheduler-steps saves.
+    dispatch_steps: int = 4
+    dispatch_tokens: int = 33
+    dispatch_rounds: int = 3
     gemm_rows: tuple[int, ...] = (1, 4, 16, 64, 256, 1024)
     bandwidth_bytes: int = 256 * 2**20
     matmul_n: int = 1024
@@ -80,7 +88,7 @@ class CalibrationConfig:
     def quick(cls) -> CalibrationConfig:
         return cls(prefill_lens=(16, 32), decode_batches=(1, 4), decode_contexts=(16, 64), decode_steps=3,
                    decode_rounds=1, mixed_decodes=2, mixed_prompt_len=96, mixed_chunk=32, mixed_small_prompt_len=64,
-                   mixed_small_samples=2, gemm_rows=(1, 16, 64),
+                   mixed_small_samples=2, dispatch_tokens=9, dispatch_rounds=1, gemm_rows=(1, 16, 64),
                    bandwidth_bytes=16 * 2**20, matmul_n=256, repeats=1)
 
 
@@ -122,8 +130,13 @@ class Calibration:
 
 def calibrate(engine, cfg: CalibrationConfig | None = None, progress: Progress | None = None,
               seed: int = 0) -> Calibration:
-    """Measure the device and `engine` (an LLMEngine, warmed up), fit the coefficients."""
-    cfg = cfg or CalibrationConfig()
+    """Measure the device and `engine` (an LLMEngine, warmed up), fit the coefficients. Its steps are timed one
+    decode step a dispatch, whatever `engine.config.num_scheduler_steps` says."""
+    with one_step_dispatches(engine):
+        return _calibrate(engine, cfg or CalibrationConfig(), progress, seed)
+
+
+def _calibrate(engine, cfg: CalibrationConfig, progress: Progress | None, seed: int) -> Calibration:
     say = progress or (lambda phase, frac: None)
     t0 = time.monotonic()
     dtype = planner_dtype(engine.dtype)
@@ -165,6 +178,8 @@ def calibrate(engine, cfg: CalibrationConfig | None = None, progress: Progress |
             small = measure_mixed(engine, ids, decodes, prompt)
         every = max(1, len(small) // cfg.mixed_small_samples)
         samples += small[every - 1::every]  # ends at (or near) the longest history
+    say("dispatch overhead (several decode steps a dispatch)", 0.92)
+    dispatch = measure_dispatch_overhead(engine, ids, cfg.dispatch_steps, cfg.dispatch_tokens, cfg.dispatch_rounds)
     say("fitting", 0.95)
     # With one model the weight term barely varies between steps, so it is measured: two rows through every
     # layer's widest weight, the engine's own; their bandwidth over the stream's is weight_bw_eff. One row runs
@@ -176,7 +191,7 @@ def calibrate(engine, cfg: CalibrationConfig | None = None, progress: Progress |
     fixed = {"weight_bw_eff": float(np.clip(stream_rows / bw, 0.01, 1.5))}
     coefficients, _ = fit_coefficients(spec, hw, [Sample(s.shape, s.seconds) for s in samples], dtype=dtype,
                                        fixed=fixed)
-    hw = hw.with_coefficients(**coefficients.to_dict())
+    hw = hw.with_coefficients(**{**coefficients.to_dict(), "dispatch_overhead_s": dispatch})
     errors = [step_time_shape(spec, hw, s.shape, dtype=dtype).total_s / s.seconds - 1 for s in samples]
     fit = FitResult(median_abs_error=float(np.median(np.abs(errors))), max_abs_error=float(np.max(np.abs(errors))),
                     errors=errors, fixed=fixed)
@@ -185,7 +200,8 @@ def calibrate(engine, cfg: CalibrationConfig | None = None, progress: Progress |
         "device": device, "model": spec.name, "dtype": dtype, "memory_bandwidth_gbps": bw / GIGA,
         "matmul_tflops": peak / 1e12, "matmul_n": cfg.matmul_n, "gemm_rows": gemm, "fixed_coefficients": fixed,
         "weight_stream_gbps": stream / GIGA, "weight_stream_2_rows_gbps": stream_rows / GIGA,
-        "attention_us_per_seq_token": attention,
+        "attention_us_per_seq_token": attention, "dispatch_overhead_ms": dispatch * 1e3,
+        "recommended_num_scheduler_steps": choose_num_scheduler_steps(spec, hw, dtype=dtype),
         "engine": {"max_num_seqs": engine.config.max_num_seqs,
                    "max_num_batched_tokens": engine.config.max_num_batched_tokens,
                    "chunk_size": engine.config.chunk_size, "page_size": engine.config.page_size},

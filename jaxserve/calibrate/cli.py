@@ -26,6 +26,7 @@ def summary_rows(cal: Calibration) -> list[tuple[str, str]]:
             ("step-time fit", f"median |err| {cal.fit.median_abs_error:.1%}, max {cal.fit.max_abs_error:.1%} "
                               f"({len(cal.samples)} steps)")]
     rows += [(k, f"{v:.4g}") for k, v in asdict(c).items()]
+    rows.append(("--num-scheduler-steps (recommended)", str(cal.measurements["recommended_num_scheduler_steps"])))
     rows.append(("took", f"{cal.seconds:.0f} s"))
     return rows
 

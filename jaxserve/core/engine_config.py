@@ -28,6 +28,8 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     # The host schedules step k+1 while step k runs (see engine.py); single-process colocated engines only.
     async_scheduling: bool = False
+    # Decode steps per dispatch when every running request decodes (vLLM's --num-scheduler-steps).
+    num_scheduler_steps: int = 1
     # On a CPU in float32, attention and the matmuls of steps of up to 32 tokens run in jaxserve's C++ kernels
     # (model/cpu_kernels.py), built on first use; off, or where no compiler works, they stay in XLA.
     cpu_kernels: bool = True
@@ -51,7 +53,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "page_size", "tensor_parallel_size",
-                     "prefill_devices", "decode_devices", "max_pending_transfers", "num_processes"):
+                     "prefill_devices", "decode_devices", "max_pending_transfers", "num_processes",
+                     "num_scheduler_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.chunk_size % self.page_size and self.chunk_size > self.page_size:
@@ -73,6 +76,9 @@ class EngineConfig:
         if self.async_scheduling and (self.disaggregate or self.num_processes > 1):
             raise ValueError("async_scheduling needs a colocated engine in one process "
                              "(not with disaggregate or num_processes > 1)")
+        if self.num_scheduler_steps > 1 and (self.async_scheduling or self.disaggregate or self.num_processes > 1):
+            raise ValueError("num_scheduler_steps > 1 needs the synchronous loop of a colocated engine in one process "
+                             "(not with async_scheduling, disaggregate or num_processes > 1)")
         if self.token_buckets and max(self.token_buckets) < self.max_num_batched_tokens:
             raise ValueError(f"the largest token bucket ({max(self.token_buckets)}) must hold a whole step "
                              f"(max_num_batched_tokens={self.max_num_batched_tokens})")

@@ -188,6 +188,30 @@ class Scheduler:
         prefills = [(r, n) for r, n in items if not (n == 1 and r.num_tokens_owed == 1)]
         return build_ragged_batch(decodes + prefills, len(decodes), self.config.page_size)
 
+    def schedule_decode_run(self, k: int) -> tuple[RaggedBatch, list[int]] | None:
+        """Every running request decodes and none waits: a decode-only batch whose sequences may draw up to `k`
+        tokens each in one dispatch, with their pages reserved, and each one's limit (at most k, within
+        max_tokens and max_model_len). None (nothing reserved beyond what a step would use) when that is not
+        the case or the pages are short; the caller then runs `schedule()`."""
+        if k < 2 or self.waiting or not self.running or any(r.num_tokens_owed != 1 for r in self.running):
+            return None
+        cfg = self.config
+        limits = [min(k, r.max_tokens - len(r.output_token_ids), cfg.max_model_len - r.num_tokens)
+                  for r in self.running]
+        if min(limits) < 1 or len(self.running) > cfg.max_num_batched_tokens:
+            return None
+        if not all(self.kv.allocate(r, n) for r, n in zip(self.running, limits, strict=True)):
+            return None
+        self._step_preemptions = self._step_queries = self._step_hits = 0
+        batch = build_ragged_batch([(r, 1) for r in self.running], len(self.running), cfg.page_size)
+        return batch, limits
+
+    def record_token(self, req: Request, token_id: int) -> None:
+        """One token a decode run drew for `req`: the KV of its input (the last token) is now computed."""
+        req.num_computed_tokens = req.num_tokens
+        req.output_token_ids.append(int(token_id))
+        self.kv.cache_full_pages(req)
+
     def _out_of_length(self, req: Request) -> bool:
         return len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.config.max_model_len
 

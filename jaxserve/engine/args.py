@@ -57,6 +57,9 @@ _OPTIONS = [
     click.option("--scheduling-policy", type=click.Choice(["fcfs", "lpm"]), default="fcfs", show_default=True),
     click.option("--async-scheduling/--no-async-scheduling", default=False, show_default=True,
                  help="Schedule step k+1 while step k runs on the device (host work overlaps the device)."),
+    click.option("--num-scheduler-steps", default=EngineConfig.num_scheduler_steps, show_default=True,
+                 type=click.IntRange(min=1),
+                 help="Decode steps per dispatch while every running request decodes (stops checked on the device)."),
     click.option("--cpu-kernels/--no-cpu-kernels", default=True, show_default=True,
                  help="On a CPU, float32: attention and the matmuls of up to 32 rows run in jaxserve's compiled C++ "
                       "kernels (off: XLA's own)."),
@@ -89,7 +92,8 @@ def engine_options(fn: Callable) -> Callable:
 
 ENGINE_OPTION_NAMES = ("model", "dtype", "seed", "max_num_seqs", "max_num_batched_tokens", "chunk_size",
                        "page_size", "kv_cache_memory", "gpu_memory_utilization", "max_model_len",
-                       "enable_prefix_caching", "scheduling_policy", "async_scheduling", "cpu_kernels",
+                       "enable_prefix_caching", "scheduling_policy", "async_scheduling", "num_scheduler_steps",
+                       "cpu_kernels",
                        "tensor_parallel_size", "disaggregate",
                        "prefill_devices", "decode_devices", "max_pending_transfers", "coordinator_address",
                        "num_processes", "process_id")

@@ -31,8 +31,9 @@ from jaxserve.core.stop_checker import StopChecker
 from jaxserve.core.tokenizer import load_tokenizer
 from jaxserve.core.validation import encode_prompt, resolve_max_tokens
 from jaxserve.kv.cache_manager import KVCacheManager
+from jaxserve.runner.decode_run import DecodeRun, DecodeRunner, can_run_on_device
 from jaxserve.runner.model_builder import build_model_and_cache
-from jaxserve.runner.model_runner import ModelRunner, default_token_ladder, power_of_two_ladder
+from jaxserve.runner.model_runner import ModelRunner, StepResult, default_token_ladder, power_of_two_ladder
 from jaxserve.runner.sampler import SamplingArrays
 from planner.model_spec import load_model_spec
 
@@ -95,8 +96,12 @@ class LLMEngine:
                          "prefix_cache_queries": 0, "prefix_cache_hits": 0, "steps": 0}
         self.last_step: StepStats | None = None
         self._flight: _Flight | None = None
+        self.decode_runner = (DecodeRunner(self.runner, config.num_scheduler_steps)
+                              if config.num_scheduler_steps > 1 else None)
         if config.warmup:
             self.runner.warmup()
+            if self.decode_runner is not None:
+                self.decode_runner.warmup()
 
     # Submission ----------------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -157,6 +162,10 @@ class LLMEngine:
         if self.config.async_scheduling:
             return self._step_async()
         start = self.clock()
+        if self.decode_runner is not None and can_run_on_device(self.scheduler.running):
+            run = self.scheduler.schedule_decode_run(self.decode_runner.k)
+            if run is not None:
+                return self._step_decode_run(*run, start)
         batch = self.scheduler.schedule()
         if batch is None:
             return []
@@ -179,6 +188,34 @@ class LLMEngine:
                 outputs.append(self._fail(tracked, f"internal error: {type(e).__name__}: {e}"))
         self._record_step(batch, start, compiled)
         return outputs
+
+    def _step_decode_run(self, batch: RaggedBatch, limits: list[int], start: float) -> list[RequestOutput]:
+        """Up to k decode steps in one dispatch; each sequence's tokens past its stop (or a stop string) dropped."""
+        sampling = self._sampling_for(batch, self.runner)
+        compiles = self.compile_count()
+        run = DecodeRun.build(batch, limits, self.decode_runner.k, self.config.page_size)
+        drawn, logprobs = self.decode_runner.execute(batch, sampling, run)
+        compiled = self.compile_count() > compiles
+        now = self.clock()
+        outputs = []
+        for s, req in enumerate(batch.requests):
+            tracked = self._tracked[req.request_id]
+            for j in range(limits[s]):
+                self.scheduler.record_token(req, drawn[j, s])
+                try:
+                    out = self._postprocess(tracked, StepResult(drawn[j], logprobs[j], None, None), s, now)
+                except Exception as e:  # one request's failure (e.g. detokenizing) must not stop the others
+                    log.exception("request %s failed", req.request_id)
+                    out = self._fail(tracked, f"internal error: {type(e).__name__}: {e}")
+                if out.finished:
+                    break
+            outputs.append(out)
+        self._record_step(batch, start, compiled)
+        return outputs
+
+    def compile_count(self) -> int:
+        """Compiled variants of every step function so far (none after warm-up)."""
+        return self.runner.compile_count() + (self.decode_runner.compile_count() if self.decode_runner else 0)
 
     def _step_async(self) -> list[RequestOutput]:
         """Dispatch step k (its decodes read step k-1's tokens on the device), then collect step k-1.
