@@ -67,8 +67,12 @@ class FakeEngine:
                 "prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0, **self.counters}
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                       cache_salt: str | None = None, *,
+                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+        if prompt_token_ids is not None:
+            ids = prompt_token_ids
+        else:
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
         if len(ids) + max_tokens > self.max_model_len:
             raise ValueError("This model's maximum context length is exceeded")

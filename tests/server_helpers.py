@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import socket
 import threading
@@ -11,6 +12,9 @@ from typing import Any
 import httpx
 import uvicorn
 
+from jaxserve.server.limits import ServerLimits
+from jaxserve.server.transport import uvicorn_config
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -19,12 +23,13 @@ def free_port() -> int:
 
 
 class LiveServer:
-    """Serves `app` with uvicorn in a daemon thread; `url` is its base URL."""
+    """Serves `app` with uvicorn in a daemon thread, configured as `jaxserve serve` does; `url` is its base URL."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, limits: ServerLimits | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        config = uvicorn_config(app, "127.0.0.1", self.port, limits or ServerLimits(), log_level="warning",
+                                lifespan="on")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
 
@@ -70,3 +75,29 @@ def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.05) ->
             return True
         time.sleep(interval)
     return predicate()
+
+
+class ServerLog(logging.Handler):
+    """Records of the server's loggers (uvicorn's do not propagate to pytest's caplog) while in use."""
+
+    NAMES = ("uvicorn", "uvicorn.error", "jaxserve")
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def __enter__(self) -> ServerLog:
+        for name in self.NAMES:
+            logging.getLogger(name).addHandler(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name in self.NAMES:
+            logging.getLogger(name).removeHandler(self)
+
+    def problems(self) -> list[str]:
+        """Error lines and tracebacks logged."""
+        return [self.format(r) for r in self.records if r.levelno >= logging.ERROR or r.exc_info]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import free_port
+from server_helpers import free_port, scrape, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 # The same engine shape as test_server_openai's, so the persistent compilation cache serves both.
@@ -97,10 +97,18 @@ def test_signal_with_requests_in_flight_exits_0_within_5s(sig: signal.Signals) -
                 pass
             ended.append(True)
 
+        whole: list[httpx.Response] = []
+
+        def complete() -> None:
+            body = {"prompt": "cut me", "max_tokens": 2000, "ignore_eos": True}
+            whole.append(httpx.post(f"{url}/v1/completions", json=body, timeout=30))
+
         threads = [threading.Thread(target=stream, daemon=True) for _ in range(4)]
+        threads.append(threading.Thread(target=complete, daemon=True))
         for t in threads:
             t.start()
         started.wait(30)
+        assert wait_until(lambda: scrape(url)["jaxserve:num_requests_running"] >= 5, timeout=30)
         t0 = time.monotonic()
         proc.send_signal(sig)
         assert proc.wait(timeout=5) == 0
@@ -108,6 +116,8 @@ def test_signal_with_requests_in_flight_exits_0_within_5s(sig: signal.Signals) -
         for t in threads:
             t.join(5)
         assert len(ended) == 4
+        # A whole response cut by shutdown is an error, never a 200 with truncated text.
+        assert whole[0].status_code == 503 and whole[0].json()["error"]["code"] == "server_shutdown"
     finally:
         if proc.poll() is None:
             proc.kill()

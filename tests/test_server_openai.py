@@ -44,7 +44,8 @@ def client(server) -> openai.OpenAI:
 def test_models_health_version(server, client) -> None:
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert httpx.get(f"{server.url}/health").status_code == 200
-    assert httpx.get(f"{server.url}/version").json()["version"]
+    version = httpx.get(f"{server.url}/version").json()
+    assert version["version"] and version["attention_backend"] == "cpu"  # what "auto" resolved to on this CPU
 
 
 def test_completion_with_usage(client) -> None:
@@ -160,6 +161,11 @@ def test_logprobs(client) -> None:
     (b'{"prompt": "hi", "stream": true, "stream_options": {"continuous_usage_stats": true}}', 400,
      "stream_options.continuous_usage_stats"),
     (b'{"prompt": "hi", "model": "gpt-4"}', 404, "model"),
+    # Values that would once have been cut or reached the engine's int32 arrays (and killed its loop):
+    (b'{"prompt": "hi", "seed": 4294967296}', 400, "seed"),
+    (b'{"prompt": "hi", "temperature": 1e309}', 400, "temperature"),
+    (b'{"prompt": "hi", "top_k": 4294967296}', 400, "top_k"),
+    (b'{"prompt": "hi", "stop_token_ids": [4294967296]}', 400, "stop_token_ids"),
 ])
 def test_bad_completion_requests(server, body: bytes, status: int, param: str | None) -> None:
     r = httpx.post(f"{server.url}/v1/completions", content=body, headers={"content-type": "application/json"})

@@ -95,15 +95,17 @@ class AsyncEngine:
 
     # Requests ------------------------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, *,
+                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its cumulative output after every step that changes it.
 
         Raises ValueError before yielding when the request can never be served (too long, bad ids).
-        Stopping the iteration early aborts the request.
+        `prompt_token_ids`, when given, are the prompt's ids already checked against the vocabulary (the server
+        tokenizes off the event loop; this runs on it). Stopping the iteration early aborts the request.
         """
         if not self.is_healthy:
             raise EngineDeadError("the engine loop is not running")
-        ids = self.engine.tokenize_prompt(prompt)
+        ids = prompt_token_ids if prompt_token_ids is not None else self.engine.tokenize_prompt(prompt)
         self.engine.resolve_max_tokens(len(ids), params)
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:

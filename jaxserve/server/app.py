@@ -2,27 +2,33 @@
 
 The engine loop runs in its own thread (`engine.start()`); handlers only await its async streams, so HTTP
 handling never waits on a jitted step. Every error is answered in OpenAI's shape; a client that goes away,
-streaming or not, has its engine requests aborted.
+streaming or not, has its engine requests aborted, quietly. `ServerLimits` (server/limits.py) bounds what
+clients may ask: API keys, body size, prompts per request, waiting sequences, time, stream buffering.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
+from functools import partial
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.requests import ClientDisconnect
 
 import jaxserve
+from jaxserve.core.tokenizer import TokenizerError
 from jaxserve.core.validation import PromptError, check_token_ids
+from jaxserve.server.auth import APIKeyMiddleware
+from jaxserve.server.bodies import OFFLOAD_BYTES, decode, offload, read_body
+from jaxserve.server.errors import APIError, excerpt, validation_error
+from jaxserve.server.limits import Admission, ServerLimits, check_request_shape
 from jaxserve.server.metrics import ServerMetrics, StatsLogger
 from jaxserve.server.protocol import (
     ChatCompletionRequest,
@@ -33,63 +39,25 @@ from jaxserve.server.protocol import (
     TokenizeRequest,
     UnsupportedValue,
 )
-from jaxserve.server.serving import APIError, Generator, new_request_id
+from jaxserve.server.serving import Generator, new_request_id
+from jaxserve.server.streaming import SSEResponse, install_log_filter
+from jaxserve.server.yielding_json import dumps_ints
 
 logger = logging.getLogger("jaxserve.server")
 M = TypeVar("M", bound=BaseModel)
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
-class _SSEResponse(StreamingResponse):
-    """StreamingResponse that always closes its generator, so a vanished client aborts the engine request."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[union-attr]
-
-
-def _reject_constant(name: str) -> None:
-    """NaN and Infinity are not JSON."""
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _param_path(loc: tuple[Any, ...]) -> str | None:
-    """`messages[0].content` from a pydantic error location, dropping union-member tags."""
-    path = ""
-    for part in loc:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif part.isidentifier() and part.lower() not in _TYPE_TAGS:
-            path += f".{part}" if path else part
-        else:
-            break
-    return path or None
-
-
-def validation_error(e: ValidationError | RequestValidationError) -> APIError:
-    """A 400 naming the first offending parameter."""
-    err = e.errors()[0]
-    loc = tuple(err.get("loc", ()))
-    if loc and loc[0] == "body":
-        loc = loc[1:]
-    param = _param_path(loc)
-    if err["type"] == "extra_forbidden":
-        return APIError(400, f"Unsupported parameter: '{param}' (jaxserve does not implement it)", param,
-                        "unsupported_parameter")
-    if err["type"] == "missing":
-        return APIError(400, f"Missing required parameter: '{param}'", param, "missing_required_parameter")
-    what = f"'{param}'" if param else "request"
-    return APIError(400, f"Invalid {what}: {err['msg']}", param, "invalid_value")
-
-
-def build_app(engine: Any, log_interval: float = 10.0) -> FastAPI:
-    """The FastAPI app serving `engine` (already started) under its served model name."""
+def build_app(engine: Any, log_interval: float = 10.0, limits: ServerLimits | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` (already started) under its served model name, within `limits`."""
+    limits = limits or ServerLimits()
     model_name: str = engine.config.model_name
-    gen = Generator(engine, model_name)
+    gen = Generator(engine, model_name, limits)
     metrics = ServerMetrics(engine, model_name)
     engine.add_observer(metrics)
+    waiting = None if limits.max_num_waiting is None else engine.config.max_num_seqs + limits.max_num_waiting
+    admission = Admission(waiting)
+    shape = partial(check_request_shape, limits=limits, max_model_len=engine.max_model_len)
+    install_log_filter()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -110,10 +78,17 @@ def build_app(engine: Any, log_interval: float = 10.0) -> FastAPI:
     app = FastAPI(title="jaxserve", version=jaxserve.__version__, lifespan=lifespan)
     app.state.generator = gen
     app.state.metrics = metrics
+    app.state.admission = admission
+    if limits.api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=limits.api_keys)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, e: ClientDisconnect) -> Response:
+        return Response(status_code=499)  # nobody reads it; not an error of ours, so nothing is logged
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -122,31 +97,25 @@ def build_app(engine: Any, log_interval: float = 10.0) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        err = APIError(e.status_code, str(e.detail), code=None)
+        err = APIError(e.status_code, excerpt(str(e.detail), 200), code=None)
         return JSONResponse(err.body(), status_code=e.status_code, headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:
         logger.exception("internal error on %s", request.url.path)
-        return JSONResponse(APIError(500, f"Internal error: {e!r}").body(), status_code=500)
+        return JSONResponse(APIError(500, f"Internal error ({type(e).__name__})").body(), status_code=500)
 
-    async def parse(request: Request, cls: type[M]) -> M:
-        """Read and validate a JSON body; any problem is a 400 (404 for another model's name)."""
-        body = await request.body()
-        try:
-            obj = json.loads(body, parse_constant=_reject_constant)
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
-            raise APIError(400, f"Malformed JSON body: {e}", None, "invalid_json") from None
-        if not isinstance(obj, dict):
-            raise APIError(400, "The request body must be a JSON object", None, "invalid_type")
-        try:
-            req = cls.model_validate(obj)
-        except ValidationError as e:
-            raise validation_error(e) from None
+    async def parse(request: Request, cls: type[M], precheck: Callable[[dict[str, Any]], None] | None = None,
+                    ) -> tuple[M, bool]:
+        """Read and validate a JSON body (off the event loop when big); returns it and whether it was big.
+        415, 413, 400 for a bad body; 404 for another model's name."""
+        body = await read_body(request, limits.max_request_body_bytes)
+        big = len(body) >= OFFLOAD_BYTES
+        req = await offload(big, decode, body, cls, precheck)
         name = getattr(req, "model", None)
         if name is not None and name != model_name:
-            raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
-        return req
+            raise APIError(404, f"The model `{excerpt(name)}` does not exist.", "model", "model_not_found")
+        return req, big
 
     def check_values(req: CompletionRequest | ChatCompletionRequest) -> None:
         try:
@@ -157,6 +126,17 @@ def build_app(engine: Any, log_interval: float = 10.0) -> FastAPI:
             raise APIError(400, str(e), str(e).split(" ")[0], "invalid_value") from None
         if not engine.is_healthy:
             raise APIError(503, "The engine is not running", type_="service_unavailable")
+        if gen.closing:
+            raise APIError(503, "The server is shutting down", None, "server_shutdown", type_="service_unavailable")
+
+    def num_sequences(req: CompletionRequest | ChatCompletionRequest) -> int:
+        """Engine sequences the request becomes: prompts x n."""
+        if isinstance(req, ChatCompletionRequest):
+            return req.n
+        try:
+            return len(req.prompts()) * req.n
+        except UnsupportedValue as e:
+            raise APIError(400, str(e), e.param, e.code) from None
 
     async def answer(request: Request, work: Callable[[], Awaitable[BaseModel]]) -> Response:
         """Run a whole-response request; abort it if the client disconnects first."""
@@ -183,24 +163,34 @@ def build_app(engine: Any, log_interval: float = 10.0) -> FastAPI:
             raise
         except Exception as e:
             logger.exception("request failed")
-            raise APIError(500, f"Internal error: {e!r}") from None
+            raise APIError(500, f"Internal error ({type(e).__name__})") from None
         return JSONResponse(result.model_dump(mode="json"))
 
     async def generate(request: Request, model: type, prefix: str, make_subs, respond, chat: bool) -> Response:
-        """The shared body of the completions and chat endpoints: validate, submit, stream or answer."""
-        req = await parse(request, model)
+        """The shared body of the completions and chat endpoints: validate, admit, tokenize, stream or answer."""
+        loop = asyncio.get_running_loop()
+        deadline = None if limits.request_timeout is None else loop.time() + limits.request_timeout
+        req, big = await parse(request, model, shape)
         check_values(req)
-        req_id = new_request_id(prefix)
-        subs = make_subs(req_id, req)
-        if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _SSEResponse(gen.stream(req_id, subs, chat, usage), media_type="text/event-stream")
+        release: Callable[[], None] | None = admission.reserve(num_sequences(req))
+        try:
+            req_id = new_request_id(prefix)
+            subs = await offload(big, make_subs, req_id, req)
+            if req.stream:
+                usage = bool(req.stream_options and req.stream_options.include_usage)
+                cut = asyncio.Event()
+                response = SSEResponse(gen.stream(req_id, subs, chat, usage, deadline, cut), cut, release)
+                release = None  # the response releases its sequences when it ends
+                return response
 
-        async def work() -> BaseModel:
-            await gen.run(subs)
-            return respond(req_id, subs)
+            async def work() -> BaseModel:
+                await gen.run(subs, deadline)
+                return respond(req_id, subs)
 
-        return await answer(request, work)
+            return await answer(request, work)
+        finally:
+            if release is not None:
+                release()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -230,31 +220,48 @@ def build_app(engine: Any, log_interval: float = 10.0) -> FastAPI:
 
     @app.get("/version")
     async def version() -> dict[str, str]:
-        return {"version": jaxserve.__version__}
+        return {"version": jaxserve.__version__, "attention_backend": engine.config.attention_backend}
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> dict[str, Any]:
-        req = await parse(request, TokenizeRequest)
-        if engine.tokenizer is None:
-            raise APIError(400, "This model has no tokenizer", "prompt")
-        if req.messages is not None:
-            msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in req.messages]
-            text = engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt)
-            tokens = list(engine.tokenizer.encode(text, add_special_tokens=False))
-        else:
-            tokens = list(engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+    def tokens_of(req: TokenizeRequest) -> list[int]:
+        tok = engine.tokenizer
+        try:
+            if req.messages is not None:
+                msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                        for m in req.messages]
+                text = tok.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt)
+                return list(tok.encode(text, add_special_tokens=False))
+            return list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        except TokenizerError as e:
+            raise APIError(400, str(e), "messages") from None
+        except UnicodeError:
+            raise APIError(400, "The text is not valid Unicode (it holds a lone surrogate)", None,
+                           "invalid_value") from None
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> dict[str, Any]:
-        req = await parse(request, DetokenizeRequest)
-        if engine.tokenizer is None:
-            raise APIError(400, "This model has no tokenizer", "tokens")
+    def text_of(req: DetokenizeRequest) -> str:
         try:
             check_token_ids(req.tokens, engine.spec.vocab_size)
         except PromptError as e:
             raise APIError(400, str(e), "tokens", e.code) from None
-        return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        return engine.tokenizer.decode(req.tokens, skip_special_tokens=False)
+
+    def tokenized(req: TokenizeRequest) -> Response:
+        """Rendered here, in slices (FastAPI would walk the list on the event loop, json.dumps in one piece)."""
+        tokens = tokens_of(req)
+        body = f'{{"count":{len(tokens)},"max_model_len":{engine.max_model_len},"tokens":{dumps_ints(tokens)}}}'
+        return Response(body, media_type="application/json")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        req, big = await parse(request, TokenizeRequest)
+        if engine.tokenizer is None:
+            raise APIError(400, "This model has no tokenizer", "prompt")
+        return await offload(big, tokenized, req)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req, big = await parse(request, DetokenizeRequest)
+        if engine.tokenizer is None:
+            raise APIError(400, "This model has no tokenizer", "tokens")
+        return {"prompt": await offload(big, text_of, req)}
 
     return app

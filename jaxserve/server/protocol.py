@@ -5,18 +5,25 @@ are rejected, so a parameter we do not implement is a 400 naming it rather than 
 OpenAI parameters that clients commonly send at their neutral value (penalties of 0, `echo: false`, empty
 `logit_bias`, ...) are accepted only at that value. `user` is accepted: it is an end-user identifier that
 does not change the output.
+
+Lists validate fail-fast (the first bad element ends validation: a million bad entries cost one error, not a
+million), free-form fields are not walked, and stop strings are bounded in number and length (each is
+searched after every token).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import SEED_RANGE, SamplingParams
+from jaxserve.server.errors import excerpt
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
+MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 32, 1024, 1024
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 class UnsupportedValue(ValueError):
@@ -32,7 +39,8 @@ def _neutral_only(req: BaseModel, neutral: dict[str, Any]) -> None:
     for name, ok in neutral.items():
         value = getattr(req, name)
         if value is not None and not ok(value):
-            raise UnsupportedValue(name, f"Unsupported value for '{name}': {value!r} (jaxserve does not implement it)")
+            raise UnsupportedValue(name, f"Unsupported value for '{name}': {excerpt(value)} (jaxserve does not "
+                                         "implement it)")
 
 
 _PENALTIES = {
@@ -60,8 +68,8 @@ class _SamplingRequest(BaseModel):
     top_k: int | None = None
     min_p: float | None = None
     max_tokens: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS, fail_fast=True)] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS, fail_fast=True)] | None = None
     seed: int | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
@@ -71,7 +79,7 @@ class _SamplingRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Any] | None = None  # only {} is supported: its entries are never looked at
 
     def check_supported(self) -> None:
         """Reject supported-looking parameters set to values we do not implement."""
@@ -96,14 +104,18 @@ class _SamplingRequest(BaseModel):
             raise UnsupportedValue("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}",
                                    "invalid_value")
         if not 1 <= self.n <= 64:
-            raise UnsupportedValue("n", f"n must be in [1, 64], got {self.n}", "invalid_value")
+            raise UnsupportedValue("n", f"n must be in [1, 64], got {excerpt(self.n)}", "invalid_value")
+        if self.seed is not None and 0 <= self.seed < SEED_RANGE <= self.seed + self.n - 1:
+            raise UnsupportedValue("seed", f"seed + n - 1 must be below 2**32 (choice i uses seed + i), got seed "
+                                           f"{self.seed} with n {self.n}", "invalid_value")
         self.sampling_params(self.max_tokens, None, self.seed)
 
 
 class CompletionRequest(_SamplingRequest):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (str | Annotated[list[str], Field(fail_fast=True)] | Annotated[list[int], Field(fail_fast=True)]
+             | Annotated[list[Annotated[list[int], Field(fail_fast=True)]], Field(fail_fast=True)])
     logprobs: int | None = None
     echo: bool | None = None
     suffix: str | None = None
@@ -135,7 +147,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(fail_fast=True)] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -146,11 +158,11 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[dict[str, Any]], Field(fail_fast=True)] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -182,7 +194,7 @@ class TokenizeRequest(BaseModel):
     model_config = _STRICT
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(fail_fast=True)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -196,7 +208,7 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = _STRICT
     model: str | None = None
-    tokens: list[int]
+    tokens: list[int] = Field(fail_fast=True)
 
 
 # ---- responses (serialized with model_dump(exclude_none=False); extra fields are OpenAI's) ----

@@ -3,13 +3,18 @@
 One HTTP request becomes one engine request per (prompt, choice) pair, `{id}-{k}`; with a seed, choice i
 uses seed + i so choices are reproducible and distinct. The engine's outputs are cumulative; this module turns
 them into deltas for streaming and into choices and usage for whole responses. Leaving `_merge` early (client
-gone, task cancelled) aborts every engine request it started.
+gone, task cancelled, deadline passed, reader too far behind) aborts every engine request it started.
+
+Back-pressure: only each engine request's newest (cumulative) output is held, so a slow reader costs one
+output per choice, never a queue; and a stream whose reader falls `stream_buffer_tokens` behind the engine is
+aborted (its pages freed) and its response cut.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,8 +24,11 @@ from typing import Any
 
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.tokenizer import TokenizerError
 from jaxserve.core.validation import PromptError, encode_prompt, resolve_max_tokens
 from jaxserve.engine.async_engine import EngineDeadError
+from jaxserve.server.errors import APIError
+from jaxserve.server.limits import ServerLimits
 from jaxserve.server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -37,18 +45,19 @@ from jaxserve.server.protocol import (
     Usage,
 )
 
+__all__ = ["APIError", "Generator", "new_request_id"]
+logger = logging.getLogger("jaxserve.server")
+# A text prompt longer than this many characters per token of context is first tokenized in part.
+PROBE_CHARS_PER_TOKEN, PROBE_SLACK_TOKENS = 8, 64
 
-class APIError(Exception):
-    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
+class StreamBackedUp(Exception):
+    """A stream's reader fell `stream_buffer_tokens` behind the engine."""
 
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+def _shutdown_error() -> APIError:
+    return APIError(503, "The server is shutting down: the request was aborted before it finished", None,
+                    "server_shutdown", type_="service_unavailable")
 
 
 @dataclass
@@ -71,8 +80,10 @@ class _Sub:
 class Generator:
     """Runs OpenAI requests against one engine."""
 
-    def __init__(self, engine: Any, model_name: str) -> None:
+    def __init__(self, engine: Any, model_name: str, limits: ServerLimits | None = None) -> None:
         self.engine = engine
+        self.limits = limits or ServerLimits()
+        self.closing = False  # set by abort_all at shutdown: new requests get 503
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.max_model_len
@@ -81,11 +92,28 @@ class Generator:
 
     # ---- prompts ----
 
+    def _too_long(self, what: str, param: str) -> APIError:
+        return APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, the "
+                             f"prompt has {what} tokens. Please reduce the length of the prompt.", param,
+                        "context_length_exceeded")
+
     def _token_ids(self, prompt: str | list[int], param: str, add_special_tokens: bool) -> list[int]:
+        """The prompt's ids (400 unless they fit the context). A prompt too long to fit is refused after a look
+        at its start, not once all of it is tokenized: tokenizers are C code that holds the GIL."""
+        if not isinstance(prompt, str) and len(prompt) > self.max_model_len:
+            raise self._too_long(str(len(prompt)), param)
+        probe = PROBE_CHARS_PER_TOKEN * (self.max_model_len + PROBE_SLACK_TOKENS)
         try:
+            if isinstance(prompt, str) and len(prompt) > probe:
+                head = encode_prompt(prompt[:probe], self.tokenizer, self.vocab_size, add_special_tokens)
+                if len(head) > self.max_model_len + PROBE_SLACK_TOKENS:  # cutting moves the count by a few tokens
+                    raise self._too_long(f"more than {len(head) - PROBE_SLACK_TOKENS}", param)
             return encode_prompt(prompt, self.tokenizer, self.vocab_size, add_special_tokens)
         except PromptError as e:
             raise APIError(400, str(e), param, e.code) from None
+        except UnicodeError:  # JSON allows lone surrogates ("\ud800"), which no tokenizer can encode
+            raise APIError(400, "The prompt is not valid Unicode (it holds a lone surrogate)", param,
+                           "invalid_value") from None
 
     def _max_tokens(self, num_prompt: int, requested: int | None, param: str) -> int:
         try:
@@ -119,43 +147,74 @@ class Generator:
     def chat_subs(self, req_id: str, req: ChatCompletionRequest) -> list[_Sub]:
         if self.tokenizer is None:
             raise APIError(400, "This model has no tokenizer, so it cannot serve chat completions", "messages")
-        text = self.tokenizer.apply_chat_template(req.chat_messages(), add_generation_prompt=True)
+        try:
+            text = self.tokenizer.apply_chat_template(req.chat_messages(), add_generation_prompt=True)
+        except TokenizerError as e:  # e.g. the template refuses this order of roles
+            raise APIError(400, str(e), "messages") from None
         ids = self._token_ids(text, "messages", False)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return self._subs(req_id, [ids], req, None, logprobs, "messages")
 
     # ---- running ----
 
-    async def _merge(self, subs: list[_Sub]) -> AsyncIterator[tuple[_Sub, RequestOutput]]:
-        """Interleave the engine streams of `subs`; on exit abort whatever is unfinished."""
-        queue: asyncio.Queue[tuple[_Sub, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+    async def _merge(self, subs: list[_Sub], deadline: float | None = None, buffer_tokens: int = 0,
+                     cut: asyncio.Event | None = None) -> AsyncIterator[tuple[_Sub, RequestOutput]]:
+        """Interleave the engine streams of `subs`, each sub's newest output only; on exit abort whatever is
+        unfinished.
+
+        Past `deadline` (event-loop time) raises a 504. With `buffer_tokens`, an engine output that many tokens
+        ahead of its sub's `num_tokens` (what the reader has taken) aborts every sub at once and sets `cut`.
+        """
+        newest: dict[int, tuple[_Sub, RequestOutput]] = {}
+        failures: list[BaseException] = []
+        wake = asyncio.Event()
+        ended = 0
 
         async def pump(sub: _Sub) -> None:
+            nonlocal ended
             try:
-                async for out in self.engine.generate(sub.engine_id, sub.prompt_ids, sub.params):
-                    queue.put_nowait((sub, out, None))
-                queue.put_nowait((sub, None, None))
+                async for out in self.engine.generate(sub.engine_id, sub.prompt_ids, sub.params,
+                                                      prompt_token_ids=sub.prompt_ids):
+                    if buffer_tokens and len(out.outputs[0].token_ids) - sub.num_tokens > buffer_tokens:
+                        raise StreamBackedUp(f"the client stopped reading: {buffer_tokens} tokens unsent")
+                    newest[sub.index] = (sub, out)
+                    wake.set()
+            except StreamBackedUp as e:
+                logger.warning("%s: %s; aborted (--stream-buffer-tokens)", sub.engine_id.rpartition("-")[0], e)
+                failures.append(e)
+                for s in subs:  # free the pages now: the reader may never come back to close the stream
+                    self.engine.abort(s.engine_id)
+                if cut is not None:
+                    cut.set()
             except Exception as e:  # handed to the consumer
-                queue.put_nowait((sub, None, e))
+                failures.append(e)
+            finally:
+                ended += 1
+                wake.set()
 
         self.inflight.update(s.engine_id for s in subs)
         tasks = [asyncio.create_task(pump(s)) for s in subs]
         try:
-            remaining = len(tasks)
-            while remaining:
-                sub, out, err = await queue.get()
-                if err is not None:
-                    if isinstance(err, ValueError):
-                        raise APIError(400, str(err), None, "invalid_value")
-                    if isinstance(err, EngineDeadError):
-                        raise APIError(503, str(err), type_="service_unavailable")
-                    raise err
-                if out is None:
-                    remaining -= 1
+            while True:
+                if failures:
+                    raise self._failure(failures[0])
+                if newest:
+                    ready = list(newest.values())
+                    newest.clear()
+                    for sub, out in ready:
+                        if out.error:
+                            raise APIError(500, f"The engine failed this request: {out.error}")
+                        yield sub, out
                     continue
-                if out.error:
-                    raise APIError(500, f"The engine failed this request: {out.error}")
-                yield sub, out
+                if ended == len(tasks):
+                    return
+                wake.clear()
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        await wake.wait()
+                except TimeoutError:
+                    raise APIError(504, f"The request did not finish within the server's request timeout "
+                                        f"({self.limits.request_timeout} s)", None, "timeout") from None
         finally:
             for t in tasks:
                 t.cancel()
@@ -163,13 +222,29 @@ class Generator:
                 self.engine.abort(s.engine_id)
                 self.inflight.discard(s.engine_id)
 
-    async def run(self, subs: list[_Sub]) -> None:
-        """Run to completion; each sub's `last` holds its final output."""
-        async with aclosing(self._merge(subs)) as merged:
+    @staticmethod
+    def _failure(err: BaseException) -> BaseException:
+        """The client-facing error for an engine stream's failure."""
+        if isinstance(err, ValueError):
+            return APIError(400, str(err), None, "invalid_value")
+        if isinstance(err, EngineDeadError):
+            return APIError(503, str(err), type_="service_unavailable")
+        if isinstance(err, StreamBackedUp):
+            return APIError(503, f"The stream was aborted: {err}", None, "stream_backed_up")
+        return err
+
+    async def run(self, subs: list[_Sub], deadline: float | None = None) -> None:
+        """Run to completion; each sub's `last` holds its final output. Raises 503 for a request that shutdown
+        aborted, so a cut response is never a success."""
+        async with aclosing(self._merge(subs, deadline)) as merged:
             async for sub, out in merged:
                 sub.last = out
+        if any(s.last is None or s.last.outputs[0].finish_reason == "abort" for s in subs):
+            raise _shutdown_error() if self.closing else APIError(500, "The engine aborted this request")
 
     def abort_all(self) -> None:
+        """Shutdown: refuse new requests (503) and abort the ones in flight."""
+        self.closing = True
         for rid in list(self.inflight):
             self.engine.abort(rid)
 
@@ -256,8 +331,10 @@ class Generator:
             choice["stop_reason"] = c.stop_reason
         return choice
 
-    async def stream(self, req_id: str, subs: list[_Sub], chat: bool, include_usage: bool) -> AsyncIterator[str]:
-        """SSE events: `data: {json}\\n\\n` chunks, then `data: [DONE]\\n\\n`."""
+    async def stream(self, req_id: str, subs: list[_Sub], chat: bool, include_usage: bool,
+                     deadline: float | None = None, cut: asyncio.Event | None = None) -> AsyncIterator[str]:
+        """SSE events: `data: {json}\\n\\n` chunks, then `data: [DONE]\\n\\n`; a failure (or shutdown's abort) is an
+        error event before [DONE]. `cut` is set when the reader falls too far behind (see `_merge`)."""
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -273,11 +350,13 @@ class Generator:
                 for s in subs:
                     yield event([{"index": s.index, "delta": {"role": "assistant", "content": ""},
                                   "logprobs": None, "finish_reason": None}])
-            async with aclosing(self._merge(subs)) as merged:
+            async with aclosing(self._merge(subs, deadline, self.limits.stream_buffer_tokens, cut)) as merged:
                 async for s, out in merged:
                     choice = self._delta(s, out, chat)
                     if choice is not None:
                         yield event([choice])
+            if self.closing and any(s.last is not None and s.last.outputs[0].finish_reason == "abort" for s in subs):
+                raise _shutdown_error()
             if include_usage:
                 yield event([], self.usage(subs))
         except APIError as e:
