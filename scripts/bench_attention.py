@@ -2,7 +2,8 @@
 
     python scripts/bench_attention.py                       # the standard cases
     python scripts/bench_attention.py --kv-block 512 --q-blocks 64,16 --repeat 20
-    python scripts/bench_attention.py --no-kernel             # without the C++ CPU kernel
+    python scripts/bench_attention.py --no-kernel             # the jnp reference, not the C++ CPU kernel
+    python scripts/bench_attention.py --backend pallas        # the Pallas kernel (on a CPU: interpreted)
     python scripts/bench_attention.py --decodes "" --prefills 4:4096,32:2048 --with-decodes 4 --context 300
 
 Decode: S sequences, each one query token at `--context` tokens of context. Prefill: one chunk of Q tokens
@@ -14,7 +15,7 @@ runner pads it. Floors: decode reads S x context x K/V bytes at `--bandwidth`; p
 from __future__ import annotations
 
 import argparse
-import functools
+import dataclasses
 import time
 
 import jax
@@ -22,12 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.model.attention.metadata import AttentionMetadata
-from jaxserve.model.attention.paged_attention import (
-    DEFAULT_DECODE_KV_BLOCK,
-    DEFAULT_DECODE_TAIL_BLOCK,
-    default_q_blocks,
-    paged_attention,
-)
+from jaxserve.model.attention.reference import ReferenceAttention, reference_for
+from jaxserve.model.attention.select import select_backend
 from planner.model_spec import PRESETS
 
 
@@ -73,14 +70,15 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=8192)
-    ap.add_argument("--kv-block", type=int, default=None, help="default: the runtime's for this backend")
-    ap.add_argument("--q-blocks", default=",".join(map(str, default_q_blocks())),
-                    help="query-block sizes, comma-separated (one size: every chunk in blocks of it)")
-    ap.add_argument("--decode-kv-block", type=int, default=DEFAULT_DECODE_KV_BLOCK)
-    ap.add_argument("--decode-tail-block", type=int, default=DEFAULT_DECODE_TAIL_BLOCK)
-    ap.add_argument("--decode-mode", default="auto", choices=["auto", "loop", "batched"])
-    ap.add_argument("--no-kernel", action="store_true",
-                    help="attend in jnp rather than the C++ CPU kernel (for A/Bs)")
+    ap.add_argument("--backend", default="auto", choices=["auto", "reference", "cpu", "pallas"],
+                    help="the attention backend, chosen as the engine chooses it")
+    ap.add_argument("--no-kernel", action="store_true", help="the same as --backend reference (for A/Bs)")
+    ap.add_argument("--kv-block", type=int, default=None, help="reference only; default: its tuning's")
+    ap.add_argument("--q-blocks", default=None,
+                    help="reference only: query-block sizes, comma-separated (one size: every chunk in blocks of it)")
+    ap.add_argument("--decode-kv-block", type=int, default=None, help="reference only")
+    ap.add_argument("--decode-tail-block", type=int, default=None, help="reference only")
+    ap.add_argument("--decode-mode", default=None, choices=["loop", "batched"], help="reference only")
     ap.add_argument("--with-decodes", type=int, default=0,
                     help="run each prefill chunk beside this many decodes at --context (a mixed step)")
     ap.add_argument("--decodes", default="1,16,32,64")
@@ -91,18 +89,19 @@ def main() -> None:
     args = ap.parse_args()
     spec = PRESETS[args.model]
     h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    q_blocks = tuple(int(b) for b in args.q_blocks.split(","))
-    fn = jax.jit(functools.partial(paged_attention, scale=d**-0.5, kv_block=args.kv_block,
-                                   q_blocks=q_blocks,
-                                   decode_kv_block=args.decode_kv_block, decode_mode=args.decode_mode,
-                                   decode_tail_block=args.decode_tail_block, cpu_kernel=not args.no_kernel))
+    platform = jax.default_backend()
+    backend = select_backend("reference" if args.no_kernel else args.backend, platform, jnp.float32, d,
+                             args.page_size)
+    if isinstance(backend, ReferenceAttention):
+        tuning = {k: v for k, v in dict(
+            kv_block=args.kv_block, decode_kv_block=args.decode_kv_block, decode_tail_block=args.decode_tail_block,
+            decode_mode=args.decode_mode,
+            q_block_sizes=args.q_blocks and tuple(int(b) for b in args.q_blocks.split(","))).items() if v}
+        backend = dataclasses.replace(reference_for(platform), **tuning)
+    fn = jax.jit(lambda q, k, v, meta: backend(q, k, v, meta, d**-0.5))
     kv_token_bytes = 2 * kvh * d * 4
-    print(f"# {args.model}: {h} heads, {kvh} kv heads, head_dim {d}, page {args.page_size}, "
-          f"kv_block {args.kv_block or 'auto'}, q_blocks {args.q_blocks}, "
-          f"decode_kv_block {args.decode_kv_block} (tail {args.decode_tail_block}) "
-          f"({args.decode_mode}), "
-          f"{'jnp only' if args.no_kernel else 'CPU kernel'}, "
-          f"backend {jax.default_backend()}")
+    print(f"# {args.model}: {h} heads, {kvh} kv heads, head_dim {d}, page {args.page_size}, {backend}, "
+          f"platform {platform}")
     print(f"{'case':<28}{'ms/layer':>10}{'floor ms':>10}{'x floor':>9}")
     for s in [int(x) for x in args.decodes.split(",") if x]:
         case = make_case(spec, [(1, args.context)] * s, s, args.page_size, args.max_model_len)

@@ -2,6 +2,7 @@
 
     python scripts/bench_chunk_attention.py                        # 4 decodes + a 16/8/4-token chunk at 4000
     python scripts/bench_chunk_attention.py --chunks 16,4 --q-blocks 128,16
+    python scripts/bench_chunk_attention.py --kernel               # the C++ CPU kernel instead of the reference
 
 Unlike `bench_attention.py` (one layer, a pool that just fits, so its KV stays in cache), every layer here has
 its own engine-sized pool (`--pool-pages`; the sequences' pages shuffled over its first pages, as
@@ -13,15 +14,16 @@ the script prints the median over rounds.
 from __future__ import annotations
 
 import argparse
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from bench_attention import best_time, make_case  # scripts/ is on the path when a script runs
 
+from jaxserve.model.attention.cpu import CpuKernelAttention
 from jaxserve.model.attention.metadata import AttentionMetadata
-from jaxserve.model.attention.paged_attention import default_q_blocks, paged_attention
+from jaxserve.model.attention.paged_attention import DEFAULT_Q_BLOCKS
+from jaxserve.model.attention.reference import ReferenceAttention
 from planner.model_spec import PRESETS
 
 
@@ -34,7 +36,8 @@ def main() -> None:
     ap.add_argument("--decode-context", type=int, default=300)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--pool-pages", type=int, default=2048, help="pages per layer (the engine's 1 GiB: ~2700)")
-    ap.add_argument("--q-blocks", default=",".join(map(str, default_q_blocks())))
+    ap.add_argument("--q-blocks", default=",".join(map(str, DEFAULT_Q_BLOCKS)), help="the jnp reference's")
+    ap.add_argument("--kernel", action="store_true", help="time the C++ CPU kernel rather than the jnp reference")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
@@ -43,14 +46,15 @@ def main() -> None:
     shape = (args.pool_pages, args.page_size, spec.num_kv_heads, spec.head_dim)
     caches = [(jnp.asarray(rng.standard_normal(shape, dtype=np.float32)),
                jnp.asarray(rng.standard_normal(shape, dtype=np.float32))) for _ in range(spec.num_layers)]
-    attention = functools.partial(paged_attention, scale=spec.head_dim**-0.5,
-                                  q_blocks=tuple(int(b) for b in args.q_blocks.split(",")))
+    backend = CpuKernelAttention() if args.kernel else ReferenceAttention(
+        q_block_sizes=tuple(int(b) for b in args.q_blocks.split(",")))
+    scale = spec.head_dim**-0.5
 
     @jax.jit
     def layers(q: jax.Array, caches: list, meta: AttentionMetadata) -> jax.Array:
         out = q
         for k, v in caches:
-            out = attention(out, k, v, meta)
+            out = backend(out, k, v, meta, scale)
         return out
 
     cases = {}

@@ -20,6 +20,13 @@ minutes on 2026-11-30.
 `--repeats N` runs jaxserve N times per batch, each run with its own bandwidth measurement; a row holds the
 medians (TPOT, end to end, TPOT / floor each on its own) and every run under "runs". HF runs once a batch,
 after all of jaxserve's runs, in the same process.
+
+The output starts with the CPU's instruction set, the one jaxserve's kernels were built for and the engine's
+kernel plan (the row counts whose matmuls run in the kernel). `--kernel-variant avx2` builds and runs the AVX2
+kernels on an AVX-512 machine (same cores, half the vector width: an emulation of an AVX2-only CPU; XLA's and
+torch's own code still use AVX-512); `--no-cpu-kernels` keeps jaxserve in XLA's code.
+
+    python scripts/bench_vs_hf.py --batches 1 --prompt-len 128 --kernel-variant avx2
 """
 
 from __future__ import annotations
@@ -81,6 +88,9 @@ def main() -> None:
                     help="floor from bandwidth measured just before and after each timed run (not --profile's)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="jaxserve runs per batch (each with its own bandwidth); a row holds their medians")
+    ap.add_argument("--kernel-variant", default="native", choices=("native", "avx2", "portable"),
+                    help="which build of jaxserve's CPU kernels to load (cpu_kernels.VARIANTS)")
+    ap.add_argument("--no-cpu-kernels", action="store_true", help="jaxserve in XLA's code only")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.repeats < 1:
@@ -88,7 +98,11 @@ def main() -> None:
 
     from jaxserve import LLM, SamplingParams
     from jaxserve.calibrate.microbench import measure_bandwidth
+    from jaxserve.model.kernels import cpu_kernels
     from planner.model_spec import load_model_spec
+
+    if not args.no_cpu_kernels and not cpu_kernels.load(cpu_kernels.CACHE_DIR, args.kernel_variant):
+        ap.error(f"the {args.kernel_variant} build of jaxserve's CPU kernels is not available")
 
     spec = load_model_spec(args.model)
     bandwidth = None
@@ -99,7 +113,12 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = []
     llm = LLM(model=args.model, max_num_seqs=max(batches), max_num_batched_tokens=2048, chunk_size=512,
-              async_scheduling=args.async_scheduling)
+              async_scheduling=args.async_scheduling, cpu_kernels=not args.no_cpu_kernels)
+    plan = llm.engine.runner.kernel_plan
+    machine = {"machine_isa": cpu_kernels.machine_isa(), "kernel_variant": args.kernel_variant,
+               "kernel_isa": None if args.no_cpu_kernels else cpu_kernels.isa(),
+               "kernel_plan": plan.describe() if plan else "XLA only"}
+    print(json.dumps(machine), flush=True)
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     prompt_sets = [[rng.integers(0, 256, args.prompt_len).tolist() for _ in range(b)] for b in batches]
     # jaxserve's runs first, then HF's: with HF's torch model built in the process first, jaxserve's one-request
@@ -140,7 +159,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"model": args.model, "async_scheduling": args.async_scheduling,
+            json.dump({"model": args.model, "async_scheduling": args.async_scheduling, **machine,
                        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                        "rows": rows}, f, indent=2)
 

@@ -141,13 +141,11 @@ if __name__ == "__main__":
     mode, *rest = sys.argv[1:]
     if mode == "tp":
         print(json.dumps(run_tp([int(x) for x in rest])))
-    elif mode == "tp-batched-decode":  # the GPU decode path ("batched"), forced on CPU
-        import functools
+    elif mode == "tp-batched-decode":  # the reference's accelerator tuning (batched decodes), forced on CPU
+        from jaxserve.model.attention.reference import ACCELERATOR_TUNING
+        from jaxserve.runner import model_runner
 
-        from jaxserve.model import llama
-        from jaxserve.model.attention import paged_attention
-
-        llama.paged_attention = functools.partial(paged_attention.paged_attention, decode_mode="batched")
+        model_runner.select_backend = lambda *args, **kwargs: ACCELERATOR_TUNING
         print(json.dumps(run_tp([int(x) for x in rest])))
     elif mode == "tp-async":  # asynchronous scheduling on a mesh, every step overlapped (as on a GPU)
         import jaxserve.engine.llm_engine

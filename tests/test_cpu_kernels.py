@@ -19,7 +19,8 @@ from click.testing import CliRunner
 from jaxserve import LLM
 from jaxserve.engine.args import config_from_options, engine_options
 from jaxserve.model.attention import cpu_attention
-from jaxserve.model.kernels import cpu_kernels, cpu_matmul
+from jaxserve.model.kernels import cpu_kernels, cpu_matmul, kernel_choice
+from jaxserve.model.kernels.kernel_plan import KernelPlan
 from jaxserve.runner.model_runner import _trash_prefill
 from tests.conftest import TINY_ENGINE_ARGS
 
@@ -31,6 +32,21 @@ def forward_hlo(llm: LLM, num_tokens: int = 8) -> str:
                                                  runner._device_inputs(batch, num_tokens), runner._no_prev).as_text()
 
 
+def planned_llm(matmul_rows: range | set[int], head_rows: range | set[int]) -> LLM:
+    """A `tiny` engine given this plan rather than the one measured on this machine."""
+    plan = KernelPlan(cpu_kernels.isa() or "", frozenset(matmul_rows), frozenset(head_rows))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernel_choice, "choose", lambda *args, **kwargs: plan)
+        return LLM(model="tiny", **TINY_ENGINE_ARGS, warmup=False)
+
+
+@pytest.fixture(scope="module")
+def every_row_llm() -> LLM:
+    """Every row count the matmul kernel takes goes to it."""
+    every = range(1, cpu_matmul.MAX_ROWS + 1)
+    return planned_llm(every, every)
+
+
 def test_a_built_library_is_reused(tmp_path):
     first = cpu_kernels.build(tmp_path)
     stamp = os.stat(first).st_mtime_ns
@@ -38,17 +54,29 @@ def test_a_built_library_is_reused(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left behind
 
 
-def test_single_device_engines_run_in_the_kernels(tiny_llm):
-    few_rows = forward_hlo(tiny_llm, num_tokens=8)
+def test_single_device_engines_run_in_the_kernels(every_row_llm):
+    few_rows = forward_hlo(every_row_llm, num_tokens=8)
     assert cpu_attention.TARGET in few_rows and cpu_matmul.TARGET in few_rows
     # Wider steps keep XLA's GEMMs, which catch up with the matmul kernel from ~64 rows.
-    wide = forward_hlo(tiny_llm, num_tokens=64)
+    wide = forward_hlo(every_row_llm, num_tokens=64)
     assert cpu_attention.TARGET in wide and cpu_matmul.TARGET not in wide
 
 
-def test_a_tied_lm_head_reads_the_embedding_through_the_kernel(tiny_llm):
-    runner = tiny_llm.engine.runner
-    rows = jnp.ones((runner.max_sampled, tiny_llm.engine.spec.hidden_size), jnp.float32)
+def test_the_engine_runs_the_matmul_kernel_at_its_plans_row_counts_only():
+    llm = planned_llm({8}, set())
+    assert cpu_matmul.TARGET in forward_hlo(llm, num_tokens=8)
+    assert cpu_matmul.TARGET not in forward_hlo(llm, num_tokens=4)
+
+
+def test_the_engine_measures_its_plan_at_start_up(tiny_llm):
+    plan = tiny_llm.engine.runner.kernel_plan
+    assert plan is not None and plan.isa == cpu_kernels.isa()
+    assert plan.matmul_rows <= set(tiny_llm.engine.runner.token_buckets)
+
+
+def test_a_tied_lm_head_reads_the_embedding_through_the_kernel(every_row_llm):
+    runner = every_row_llm.engine.runner
+    rows = jnp.ones((runner.max_sampled, every_row_llm.engine.spec.hidden_size), jnp.float32)
     f = jnp.zeros(4, jnp.float32)
     i = jnp.zeros(4, jnp.int32)
     hlo = runner._sample.lower(runner.param_leaves, rows, f, i, f, f, i, i, np.bool_(False)).as_text()

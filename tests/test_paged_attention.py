@@ -11,15 +11,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from jaxserve.model.attention.cpu import CpuKernelAttention
 from jaxserve.model.attention.metadata import AttentionMetadata
 from jaxserve.model.attention.paged_attention import (
     DEFAULT_Q_BLOCKS,
     _block_sizes,
     _cover,
     _wide_block_pages,
-    paged_attention,
     write_kv,
 )
+from jaxserve.model.attention.reference import ReferenceAttention
 from jaxserve.model.kernels import cpu_kernels
 
 jax.config.update("jax_enable_x64", False)
@@ -80,13 +81,12 @@ def dense_reference(q, k_cache, v_cache, m, scale):
 
 @functools.cache
 def attention_fn(kv_block: int, q_block: int, decode_mode: str):
-    """decode_mode "loop" or "batched": the jnp paths; "kernel": the whole step in the C++ CPU kernel."""
+    """decode_mode "loop" or "batched": the jnp reference's paths; "kernel": the whole step in the C++ CPU kernel."""
     # Blocks of q_block rows, then half and quarter blocks: every chunk length takes a different mix of sizes.
-    kernel = decode_mode == "kernel"
-    return jax.jit(functools.partial(paged_attention, scale=D**-0.5, kv_block=kv_block,
-                                     q_blocks=(q_block, max(1, q_block // 2), max(1, q_block // 4)),
-                                     decode_kv_block=2 * kv_block, decode_tail_block=PAGE_SIZE,
-                                     decode_mode="auto" if kernel else decode_mode, cpu_kernel=kernel))
+    backend = CpuKernelAttention() if decode_mode == "kernel" else ReferenceAttention(
+        kv_block=kv_block, q_block_sizes=(q_block, max(1, q_block // 2), max(1, q_block // 4)),
+        decode_kv_block=2 * kv_block, decode_tail_block=PAGE_SIZE, decode_mode=decode_mode)
+    return jax.jit(functools.partial(backend, scale=D**-0.5))
 
 
 def check(rng, heads, kv_heads, decode_ctx, prefill, kv_block=8, q_block=8, decode_mode="loop"):
@@ -239,13 +239,14 @@ def test_write_kv_scatters_into_slots():
     assert float(jnp.abs(kc).sum()) == pytest.approx(float(np.abs(k).sum()), rel=1e-6)
 
 
-@pytest.mark.parametrize("decode_mode", ["loop", "batched", "auto"])  # auto: the CPU kernel reads the pool
-def test_donated_pool_is_updated_in_place(decode_mode):
-    """write_kv then paged_attention under a donating jit must not copy the pool (a silent 3x slowdown)."""
+@pytest.mark.parametrize("backend", [ReferenceAttention(decode_mode="loop"), ReferenceAttention(decode_mode="batched"),
+                                     CpuKernelAttention()])  # the CPU kernel reads the pool in place too
+def test_donated_pool_is_updated_in_place(backend):
+    """write_kv then attention under a donating jit must not copy the pool (a silent 3x slowdown)."""
 
     def layer(k_cache, v_cache, q, k, v, meta):
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        return paged_attention(q, k_cache, v_cache, meta, D**-0.5, decode_mode=decode_mode), k_cache, v_cache
+        return backend(q, k_cache, v_cache, meta, D**-0.5), k_cache, v_cache
 
     shape = f"f32[{NUM_PAGES},{PAGE_SIZE},2,{D}]"
     for t, batch in ((1, ([5], [])), (T_PAD, ([5, 9], [(6, 3)]))):  # one token: XLA turns the scatter into a DUS

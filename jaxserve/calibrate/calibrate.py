@@ -36,7 +36,7 @@ from jaxserve.calibrate.steps import (
     step_budget,
     warm_engine,
 )
-from jaxserve.model.attention.paged_attention import smallest_chunk
+from jaxserve.model.attention.backend import smallest_chunk
 from jaxserve.model.dtypes import planner_dtype
 from planner.api import choose_num_scheduler_steps
 from planner.calibration import Sample, fit_coefficients
@@ -170,7 +170,8 @@ def _calibrate(engine, cfg: CalibrationConfig, progress: Progress | None, seed: 
     with step_budget(engine, cfg.mixed_chunk):
         samples += measure_mixed(engine, ids, decodes, prompt)
     page = engine.config.page_size
-    chunks = cfg.mixed_small_chunks or tuple(sorted({page, smallest_chunk(page)}, reverse=True))
+    finest = smallest_chunk(engine.runner.attention, page)
+    chunks = cfg.mixed_small_chunks or tuple(sorted({page, finest}, reverse=True))
     for chunk in chunks:
         say(f"engine mixed steps: {chunk}-token chunks over a long prompt", 0.88)
         prompt = min(cfg.mixed_small_prompt_len, engine.max_model_len - 1)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# `--attention-backend`: auto picks at start-up (jaxserve/model/attention/select.py); the others force one.
+ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas")
+
 
 @dataclass
 class EngineConfig:
@@ -33,6 +36,8 @@ class EngineConfig:
     # On a CPU in float32, attention and the matmuls of steps of up to 32 tokens run in jaxserve's C++ kernels
     # (model/cpu_kernels.py), built on first use; off, or where no compiler works, they stay in XLA.
     cpu_kernels: bool = True
+    # Paged attention's implementation; the engine replaces "auto" by what it resolved to at start-up.
+    attention_backend: str = "auto"
     tensor_parallel_size: int = 1
     device_ids: tuple[int, ...] = field(default_factory=tuple)  # indices into jax.devices(); empty: the first tp
     # Disaggregated serving: a prefill pool on the first `prefill_devices` devices, a decode pool on the next
@@ -82,6 +87,9 @@ class EngineConfig:
         if self.token_buckets and max(self.token_buckets) < self.max_num_batched_tokens:
             raise ValueError(f"the largest token bucket ({max(self.token_buckets)}) must hold a whole step "
                              f"(max_num_batched_tokens={self.max_num_batched_tokens})")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         if self.scheduling_policy not in ("fcfs", "lpm"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}")
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from jaxserve.core.engine_config import EngineConfig
+from jaxserve.core.engine_config import ATTENTION_BACKENDS, EngineConfig
 from jaxserve.engine.factory import create_engine
 from jaxserve.model.dtypes import RUNTIME_DTYPES
 
@@ -63,6 +63,10 @@ _OPTIONS = [
     click.option("--cpu-kernels/--no-cpu-kernels", default=True, show_default=True,
                  help="On a CPU, float32: attention and the matmuls of up to 32 rows run in jaxserve's compiled C++ "
                       "kernels (off: XLA's own)."),
+    click.option("--attention-backend", default=EngineConfig.attention_backend, show_default=True,
+                 type=click.Choice(ATTENTION_BACKENDS),
+                 help="Paged attention: auto (the C++ kernel on a CPU, the Pallas kernel on an NVIDIA GPU, where "
+                      "they can run), reference (jnp), cpu, or pallas (on a CPU: interpreted, tests only)."),
     click.option("--tensor-parallel-size", "-tp", default=1, show_default=True, type=click.IntRange(min=1),
                  help="Devices the model is sharded over (mesh axis tp); the first N devices."),
     click.option("--disaggregate/--no-disaggregate", default=False, show_default=True,
@@ -93,7 +97,7 @@ def engine_options(fn: Callable) -> Callable:
 ENGINE_OPTION_NAMES = ("model", "dtype", "seed", "max_num_seqs", "max_num_batched_tokens", "chunk_size",
                        "page_size", "kv_cache_memory", "gpu_memory_utilization", "max_model_len",
                        "enable_prefix_caching", "scheduling_policy", "async_scheduling", "num_scheduler_steps",
-                       "cpu_kernels",
+                       "cpu_kernels", "attention_backend",
                        "tensor_parallel_size", "disaggregate",
                        "prefill_devices", "decode_devices", "max_pending_transfers", "coordinator_address",
                        "num_processes", "process_id")

@@ -82,7 +82,9 @@ class LLMEngine:
         self.runner = ModelRunner(built.model, built.kv_caches, page_size=config.page_size,
                                   max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
                                   token_buckets=token_buckets, seq_buckets=seq_buckets,
-                                  cpu_kernels=config.cpu_kernels)
+                                  cpu_kernels=config.cpu_kernels, attention_backend=config.attention_backend)
+        config.attention_backend = self.runner.attention.name  # what "auto" resolved to, for /version
+        log.info("attention backend: %s (%s)", self.runner.attention.name, self.runner.attention)
         self.kv_manager = KVCacheManager(num_pages=self.num_pages, page_size=config.page_size,
                                          enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(

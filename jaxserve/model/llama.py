@@ -17,10 +17,13 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from jaxserve.model.attention.backend import AttentionBackend
 from jaxserve.model.attention.metadata import AttentionMetadata
-from jaxserve.model.attention.paged_attention import paged_attention, write_kv
+from jaxserve.model.attention.paged_attention import write_kv
+from jaxserve.model.attention.select import auto_backend
 from jaxserve.model.dtypes import planner_dtype, resolve_dtype
 from jaxserve.model.kernels import cpu_matmul
+from jaxserve.model.kernels.kernel_plan import KernelPlan
 from jaxserve.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from planner.memory import kv_bytes_per_token
 from planner.model_spec import ModelSpec
@@ -48,17 +51,18 @@ def _normals(key: jax.Array, shapes_stds: tuple[tuple[tuple[int, ...], float], .
             for shape, std in shapes_stds]
 
 
-def linear(x: jax.Array, w: jax.Array, cpu_kernel: bool = False) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array, cpu_kernel: bool = False, plan: KernelPlan | None = None) -> jax.Array:
     """x [T, in] times w [in, ...] -> [T, ...], on a CPU routed to the matmul that is fastest for T rows.
 
     With `cpu_kernel`, float32 steps of up to `cpu_matmul.MAX_ROWS` rows go to jaxserve's C++ kernel, which
-    streams w at the memory's rate where XLA's dots fell to a fraction of it. Otherwise XLA's CPU backend gives
+    streams w at the memory's rate where XLA's dots fell to a fraction of it; with a `plan` too, only the row
+    counts it names (those measured faster in the kernel on this machine). Otherwise XLA's CPU backend gives
     dots to YNNPACK, and Eigen runs the 2-16-row GEMMs of decode steps faster (docs/tuning.md). YNNPACK declines
     a dot whose left operand is column-major, so for those row counts x goes in transposed, behind an
     optimization barrier that keeps XLA from folding the transpose back into the dot.
     """
     t = x.shape[0]
-    if cpu_kernel and cpu_matmul.supports(x, w):
+    if cpu_kernel and (plan is None or plan.matmul(t)) and cpu_matmul.supports(x, w):
         return cpu_matmul.cpu_matmul(x, w)
     if 2 <= t <= CPU_EIGEN_MAX_ROWS and jax.default_backend() == "cpu":
         return lax.dot_general(lax.optimization_barrier(x.T), w, (((0,), (0,)), ((), ())))
@@ -96,10 +100,11 @@ class Attention(nnx.Module):
         self.scale = d**-0.5
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv: tuple[jax.Array, jax.Array],
-                 meta: AttentionMetadata, cpu_kernel: bool = True) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                 meta: AttentionMetadata, cpu_kernel: bool, attention: AttentionBackend,
+                 plan: KernelPlan | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         t = x.shape[0]
         w = self.qkv[...]
-        qkv = linear(x, w.reshape(w.shape[0], -1), cpu_kernel)
+        qkv = linear(x, w.reshape(w.shape[0], -1), cpu_kernel, plan)
         qkv = qkv.reshape(t, self.num_kv_heads, self.group + 2, self.head_dim)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...]
@@ -107,8 +112,8 @@ class Attention(nnx.Module):
         k, v = qkv[:, :, self.group], qkv[:, :, self.group + 1]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, meta, self.scale, cpu_kernel=cpu_kernel)
-        return linear(o.reshape(t, -1), self.o[...], cpu_kernel), (k_cache, v_cache)
+        o = attention(q, k_cache, v_cache, meta, self.scale)
+        return linear(o.reshape(t, -1), self.o[...], cpu_kernel, plan), (k_cache, v_cache)
 
 
 class MLP(nnx.Module):
@@ -121,11 +126,11 @@ class MLP(nnx.Module):
         self.gate_up = nnx.Param(gate_up)
         self.down = nnx.Param(down)
 
-    def __call__(self, x: jax.Array, cpu_kernel: bool = False) -> jax.Array:
+    def __call__(self, x: jax.Array, cpu_kernel: bool = False, plan: KernelPlan | None = None) -> jax.Array:
         # A dot over [hidden, 2, inter] rather than a reshaped matmul: merging the "2" axis with the
         # tp-sharded intermediate axis made XLA all-gather the weight every step under tensor parallelism.
-        gu = linear(x, self.gate_up[...], cpu_kernel)
-        return linear(jax.nn.silu(gu[:, 0]) * gu[:, 1], self.down[...], cpu_kernel)
+        gu = linear(x, self.gate_up[...], cpu_kernel, plan)
+        return linear(jax.nn.silu(gu[:, 0]) * gu[:, 1], self.down[...], cpu_kernel, plan)
 
 
 class DecoderLayer(nnx.Module):
@@ -138,10 +143,11 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(spec, dtype, rngs)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv: tuple[jax.Array, jax.Array],
-                 meta: AttentionMetadata, cpu_kernel: bool = True) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        a, kv = self.attn(self.input_norm(x), cos, sin, kv, meta, cpu_kernel)
+                 meta: AttentionMetadata, cpu_kernel: bool, attention: AttentionBackend,
+                 plan: KernelPlan | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        a, kv = self.attn(self.input_norm(x), cos, sin, kv, meta, cpu_kernel, attention, plan)
         x = x + a
-        return x + self.mlp(self.post_attn_norm(x), cpu_kernel), kv
+        return x + self.mlp(self.post_attn_norm(x), cpu_kernel, plan), kv
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -170,23 +176,31 @@ class LlamaForCausalLM(nnx.Module):
         self.inv_freq = tuple(float(f) for f in inv_freq)
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_caches: KVCaches,
-                 meta: AttentionMetadata, *, cpu_kernel: bool = True) -> tuple[jax.Array, KVCaches]:
+                 meta: AttentionMetadata, *, cpu_kernel: bool = True,
+                 attention: AttentionBackend | None = None,
+                 plan: KernelPlan | None = None) -> tuple[jax.Array, KVCaches]:
         """Run T tokens; returns the final-normed hidden states [T, hidden] and the updated caches.
 
-        `cpu_kernel=False` keeps attention and matmuls in XLA even where jaxserve's CPU kernels could run (a mesh
-        of several devices: XLA cannot split a custom call over them).
+        `attention`: the backend every layer attends with, chosen at start-up (the runner's); None: what `auto`
+        picks on the default platform. `cpu_kernel=False` keeps the matmuls (and, when `attention` is None,
+        attention) in XLA even where jaxserve's CPU kernels could run (a mesh of several devices: XLA cannot
+        split a custom call over them); `plan` names the row counts whose matmuls may use the kernel (None: all).
         """
+        if attention is None:
+            k0 = kv_caches[0][0]
+            attention = auto_backend(k0.dtype, k0.shape[3], k0.shape[1], cpu_kernel)
         x = jnp.take(self.embed[...], token_ids, axis=0)
         cos, sin = rope_cos_sin(positions, self.inv_freq)
         new_caches = []
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x, kv = layer(x, cos, sin, kv, meta, cpu_kernel)
+            x, kv = layer(x, cos, sin, kv, meta, cpu_kernel, attention, plan)
             new_caches.append(kv)
         return self.norm(x), new_caches
 
-    def compute_logits(self, hidden: jax.Array, cpu_kernel: bool = False) -> jax.Array:
-        """Float32 logits [N, vocab] of hidden rows [N, hidden]; `cpu_kernel` as in `__call__` (a tied head reads
-        the embedding in place through the kernel's x @ w^T; see docs/tuning.md)."""
+    def compute_logits(self, hidden: jax.Array, cpu_kernel: bool = False, plan: KernelPlan | None = None) -> jax.Array:
+        """Float32 logits [N, vocab] of hidden rows [N, hidden]; `cpu_kernel` as in `__call__`, `plan` for the head's
+        row counts (a tied head reads the embedding in place through the kernel's x @ w^T; see docs/tuning.md)."""
+        cpu_kernel = cpu_kernel and (plan is None or plan.head(hidden.shape[0]))
         if self.lm_head is not None:
             return linear(hidden, self.lm_head[...], cpu_kernel).astype(jnp.float32)
         embed = self.embed[...]

@@ -23,7 +23,8 @@ import numpy as np
 from jaxserve.bench.datasets import DatasetConfig, generate
 from jaxserve.bench.load import LoadConfig, RunResult, run_engine
 from jaxserve.calibrate.steps import step_budget
-from jaxserve.model.attention.paged_attention import smallest_chunk
+from jaxserve.model.attention.backend import smallest_chunk
+from jaxserve.model.attention.select import finest_chunk
 from jaxserve.report.context import ReportConfig
 from jaxserve.report.loads import predict_step_s
 from planner.api import choose_chunk_size, chunked_prefill_itls
@@ -61,8 +62,8 @@ def _long_output_len(cfg: ReportConfig, prefill_per_step: int) -> int:
 
 def check_long_prompt_fits(cfg: ReportConfig, max_model_len: int, page_size: int) -> None:
     """Raise ValueError if the long prompt and the most tokens it may be asked to generate (chunks of at least
-    `smallest_chunk`) exceed the engine's context, before calibrating or measuring anything."""
-    most = cfg.long_prompt_len + _long_output_len(cfg, smallest_chunk(page_size))
+    the finest any attention backend takes) exceed the engine's context, before calibrating or measuring anything."""
+    most = cfg.long_prompt_len + _long_output_len(cfg, finest_chunk(page_size))
     if most > max_model_len:
         raise ValueError(f"the chunked-prefill run needs up to {most} tokens of context (a {cfg.long_prompt_len}-token "
                          f"prompt and its outputs) but the model's max_model_len is {max_model_len}: "
@@ -83,7 +84,7 @@ def run_chunked(ctx) -> list[dict[str, Any]]:
     undisturbed = step_time_shape(ctx.spec, ctx.hw, decode_shape(d, context), dtype=ctx.dtype).total_ms
     target = 2 * undisturbed
     choice = choose_chunk_size(ctx.spec, ctx.hw, target, prompt_len=length, page_size=page,
-                               min_chunk=smallest_chunk(page), **kw)
+                               min_chunk=smallest_chunk(engine.runner.attention, page), **kw)
     # The runtime cuts chunks on page boundaries: give it a budget of whole pages plus the decodes, so every
     # step prefills exactly `per_step` tokens, as predicted (planner/NEEDS_FROM_BENCH.md, item 1).
     # It also pads a step to its token bucket, so the budget is the largest bucket within the planner's chunk.

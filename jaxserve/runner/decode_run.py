@@ -94,8 +94,8 @@ def _decode_run_impl(runner: Any, k: int, t: int, param_leaves, kv_caches, token
             kv_lens=jnp.zeros(n_seq, jnp.int32).at[:s_rows].set(jnp.where(real, pos + 1, 0)),
             page_table=table, num_seqs=num_seqs, num_decodes=num_seqs)
         hidden, kv = model(jnp.pad(tok, (0, pad_t)), jnp.pad(pos, (0, pad_t)), kv, meta,
-                           cpu_kernel=runner.cpu_kernels)
-        logits = model.compute_logits(hidden[:s_rows], cpu_kernel=runner.cpu_kernels)
+                           cpu_kernel=runner.cpu_kernels, attention=runner.attention, plan=runner.kernel_plan)
+        logits = model.compute_logits(hidden[:s_rows], cpu_kernel=runner.cpu_kernels, plan=runner.kernel_plan)
         new, lp, _, _ = sample_tokens(logits, temperature, top_k, top_p, min_p, seed, step + i, no_logprobs)
         new = jnp.where(live, new, tok)
         stopped = jnp.any(new[:, None] == stop_ids, axis=-1) | (i + 1 >= limits)

@@ -27,7 +27,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.core.batch import RaggedBatch, is_placeholder, placeholder_seq
 from jaxserve.model.attention.metadata import AttentionMetadata
-from jaxserve.model.attention.paged_attention import default_q_blocks
+from jaxserve.model.attention.select import select_backend
+from jaxserve.model.kernels import kernel_choice
+from jaxserve.model.kernels.kernel_plan import KernelPlan
 from jaxserve.runner.parallel import AXIS, fit_spec, params_shardings, put_global, replicated
 from jaxserve.runner.sampler import SamplingArrays, sample_tokens
 
@@ -102,7 +104,8 @@ class ModelRunner:
 
     def __init__(self, model: nnx.Module, kv_caches, *, page_size: int, max_model_len: int, max_num_seqs: int,
                  token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...],
-                 cpu_kernels: bool = True) -> None:
+                 cpu_kernels: bool = True, attention_backend: str = "auto",
+                 kernel_plan: KernelPlan | None = None) -> None:
         self.graphdef, self.params = nnx.split(model)
         # The jitted calls take the parameters as a flat list: the nnx State flattens in Python on every call (two
         # calls a step), a list of arrays in C++ (docs/tuning.md).
@@ -123,6 +126,14 @@ class ModelRunner:
         self.mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
         # XLA cannot split the CPU kernels' custom calls over a mesh of several devices.
         self.cpu_kernels = cpu_kernels and (self.mesh is None or self.mesh.size == 1)
+        # The row counts whose matmuls use the kernel: where it was measured faster than XLA's (once per CPU, cached).
+        if kernel_plan is None and self.cpu_kernels and self.platform == "cpu":
+            kernel_plan = kernel_choice.choose(model, token_buckets, seq_buckets)
+        self.kernel_plan = kernel_plan
+        # Attention's implementation, chosen once: the step never looks at the platform (model/attention/select.py).
+        k0 = kv_caches[0][0]
+        self.attention = select_backend(attention_backend, self.platform, k0.dtype, k0.shape[3], page_size,
+                                        cpu_kernels=self.cpu_kernels, num_devices=len(sharding.device_set))
         wide = dict(compiler_options=CPU_SEPARATE_DOTS_OPTIONS) if self.platform == "cpu" else {}
         if self.mesh is None:  # plain single-device arrays
             self._replicated = None
@@ -161,12 +172,14 @@ class ModelRunner:
         drawn = prev_tokens[jnp.clip(placeholder_seq(token_ids), 0, prev_tokens.shape[0] - 1)]
         token_ids = jnp.where(is_placeholder(token_ids), drawn, token_ids)
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._param_tree, param_leaves))
-        hidden, kv_caches = model(token_ids, positions, kv_caches, meta, cpu_kernel=self.cpu_kernels)
+        hidden, kv_caches = model(token_ids, positions, kv_caches, meta, cpu_kernel=self.cpu_kernels,
+                                  attention=self.attention, plan=self.kernel_plan)
         return hidden[logits_indices], kv_caches
 
     def _sample_impl(self, param_leaves, hidden_rows, temperature, top_k, top_p, min_p, seed, step, want_logprobs):
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._param_tree, param_leaves))
-        logits = model.compute_logits(hidden_rows[: temperature.shape[0]], cpu_kernel=self.cpu_kernels)
+        logits = model.compute_logits(hidden_rows[: temperature.shape[0]], cpu_kernel=self.cpu_kernels,
+                                      plan=self.kernel_plan)
         tokens, *rest = sample_tokens(logits, temperature, top_k, top_p, min_p, seed, step, want_logprobs)
         return (jnp.zeros(self.max_sampled, jnp.int32).at[: tokens.shape[0]].set(tokens), *rest)
 
@@ -311,7 +324,8 @@ class ModelRunner:
             # buffers, its threads), which would land on the first request (docs/tuning.md). Past WARM_REAL_TOKENS
             # that penalty is small beside the step itself and the work would slow start-up, so those buckets only
             # compile (on an empty batch).
-            batch = _trash_prefill(t, self.page_size, self.max_num_seqs, max_len) if t <= WARM_REAL_TOKENS else empty
+            batch = (_trash_prefill(t, self.page_size, self.max_num_seqs, max_len, self.attention.q_blocks)
+                     if t <= WARM_REAL_TOKENS else empty)
             hidden_rows, self.kv_caches = self._forward_for(t)(self.param_leaves, self.kv_caches,
                                                                self._device_inputs(batch, t), self._no_prev)
             jax.block_until_ready(hidden_rows)
@@ -343,17 +357,19 @@ class ModelRunner:
         return sum(f._cache_size() for f in fns.values())
 
 
-def _trash_prefill(num_tokens: int, page_size: int, max_seqs: int = 1, max_len: int = 0) -> RaggedBatch:
+def _trash_prefill(num_tokens: int, page_size: int, max_seqs: int = 1, max_len: int = 0,
+                   q_blocks: tuple[int, ...] = (1,)) -> RaggedBatch:
     """Warm-up work whose KV all lives in the trash page 0.
 
-    One decode, a prefill chunk for each of the smaller query-block sizes and one prefill of the rest (as many
-    as `max_seqs` and `num_tokens` allow), all after a history of up to WARM_HISTORY tokens that fits in
-    `max_len`: the loops of the bucket's attention run once (decode blocks, query blocks, masked and unmasked KV
-    blocks). A loop's first run costs extra (its buffers, its threads), which would otherwise land on a request.
+    One decode, a prefill chunk for each of the smaller sizes of `q_blocks` (the attention backend's, largest
+    first) and one prefill of the rest (as many as `max_seqs` and `num_tokens` allow), all after a history of up
+    to WARM_HISTORY tokens that fits in `max_len`: the loops of the bucket's attention run once (decode blocks,
+    query blocks, masked and unmasked KV blocks). A loop's first run costs extra (its buffers, its threads),
+    which would otherwise land on a request.
     """
     history = max(0, min(WARM_HISTORY, max_len - num_tokens))
     q_lens = [num_tokens]
-    for first in (1, *sorted(default_q_blocks()[1:])):
+    for first in (1, *sorted(q_blocks[1:])):
         if len(q_lens) < max_seqs and q_lens[-1] > first:
             q_lens[-1:] = [first, q_lens[-1] - first]
     decodes = int(len(q_lens) > 1)

@@ -1,1 +1,3 @@
-"""Paged attention over a ragged batch: its metadata, the jnp implementation and the CPU C++ kernel's binding."""
+"""Paged attention over a ragged batch: the metadata, the backend contract and its choice (`backend`, `select`),
+and one file per backend: the jnp reference (`reference`, over `paged_attention`), the CPU C++ kernel (`cpu`, over
+`cpu_attention`) and the Pallas kernel for NVIDIA GPUs (`pallas`)."""

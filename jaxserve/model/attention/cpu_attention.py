@@ -19,10 +19,10 @@ TARGET = "jaxserve_paged_attention"
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # the sizes `AttendAny` in cpu_attention.cc is built for
 
 
-def supports(q: jax.Array, k_cache: jax.Array) -> bool:
-    """Whether the kernel can take this call: float32 on a CPU, a head dimension it is built for."""
-    return (jax.default_backend() == "cpu" and q.dtype == jnp.float32 and k_cache.dtype == jnp.float32
-            and q.shape[-1] in HEAD_DIMS and cpu_kernels.available())
+def supports(dtype: jnp.dtype, head_dim: int) -> bool:
+    """Whether the kernel can run a model's attention: float32, a head dimension it is built for, the kernels
+    built (on a CPU: the caller, `select_backend`, knows the platform)."""
+    return jnp.dtype(dtype) == jnp.float32 and head_dim in HEAD_DIMS and cpu_kernels.available()
 
 
 def cpu_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata,

@@ -1,12 +1,13 @@
-"""Paged attention over a ragged batch in plain jnp (CPU and GPU).
+"""Paged attention over a ragged batch in plain jnp: the reference algorithm (`reference.py` is its backend).
 
 Layout of one layer's cache: K and V each `[num_pages, page_size, kv_heads, head_dim]`; page 0 is the trash
 page padded tokens write into. Cost is O(sequences x actual context): every loop is bounded by the real KV
 lengths, never by the page-table width (which the runner pads to max_model_len) nor by the token count of
 other sequences. Query heads are grouped over their KV head (GQA/MQA) so KV is never repeated.
 
-`paged_attention(q, k_cache, v_cache, meta, scale)` is the one signature a Pallas or cuDNN kernel can take
-over later.
+Its loops run to device-side lengths: right on a CPU, but on a GPU each iteration waits for the host to read its
+condition, which is why GPUs get the Pallas kernel (`pallas.py`). Block sizes and the decode mode are arguments:
+the backend passes a CPU's or an accelerator's tuning (`reference.py`); nothing here looks at the platform.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxserve.model.attention import cpu_attention
 from jaxserve.model.attention.metadata import AttentionMetadata
 
 # KV tokens per inner block (rounded to whole pages) and query rows per prefill block.
@@ -210,17 +210,6 @@ def _wide_block_pages(rows: int, block_pages: int, page_size: int, max_pages: in
     return tuple(out)
 
 
-def default_q_blocks() -> tuple[int, ...]:
-    """The query-block sizes prefill chunks use on this backend (the smallest is the finest chunk worth taking)."""
-    return DEFAULT_Q_BLOCKS if jax.default_backend() == "cpu" else ACCELERATOR_Q_BLOCKS
-
-
-def smallest_chunk(page_size: int) -> int:
-    """The finest prefill chunk worth scheduling: this backend's smallest query block (a finer chunk would pay
-    for that block's rows anyway), at most a page."""
-    return min(page_size, *default_q_blocks())
-
-
 def _block_sizes(q_blocks: Sequence[int], num_tokens: int) -> tuple[int, ...]:
     """Query-block sizes a `num_tokens`-token step uses, largest first: none wider than the step."""
     return tuple(sorted({min(b, num_tokens) for b in q_blocks}, reverse=True))
@@ -244,45 +233,37 @@ def _cover(q_len: jax.Array, sizes: tuple[int, ...]) -> tuple[list[jax.Array], j
 
 
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata,
-                    scale: float, *, kv_block: int | None = None, q_blocks: Sequence[int] | None = None,
+                    scale: float, *, kv_block: int = DEFAULT_KV_BLOCK, q_blocks: Sequence[int] = DEFAULT_Q_BLOCKS,
                     decode_kv_block: int = DEFAULT_DECODE_KV_BLOCK, decode_tail_block: int = DEFAULT_DECODE_TAIL_BLOCK,
-                    decode_mode: str = "auto", cpu_kernel: bool = True) -> jax.Array:
+                    decode_mode: str = "loop", wide_blocks: bool = True) -> jax.Array:
     """Causal attention of ragged queries q [T, H, D] over paged K/V (already holding this step's tokens).
 
     Decode sequences (the first `num_decodes`, one query each) loop over their own KV blocks
     (`decode_mode="loop"`, O(sum of contexts), best on CPU; `decode_kv_block` tokens per block, the remainder
     in `decode_tail_block` blocks) or go all at once over blocks up to the longest
-    context (`"batched"`, fewer and larger ops, for GPUs); "auto" picks loop on CPU, batched elsewhere.
-    Prefill chunks loop over query blocks of the `q_blocks` sizes (`default_q_blocks()` by default; capped at
-    the step's token count), covering each chunk with the least padded work (`_cover`), and, for each block,
-    over `kv_block`-token KV blocks up to the causal limit (by default 256 on CPU, 2048 elsewhere). Rows of
-    padded tokens come back as zeros.
-
-    On a CPU in float32, with `cpu_kernel`, `decode_mode="auto"` and the kernels built (`cpu_kernels.available()`),
-    the C++ kernel takes the whole step instead (`cpu_attention.cpu_paged_attention`).
+    context (`"batched"`, fewer and larger ops, for accelerators).
+    Prefill chunks loop over query blocks of the `q_blocks` sizes (capped at the step's token count), covering
+    each chunk with the least padded work (`_cover`), and, for each block, over `kv_block`-token KV blocks up to
+    the causal limit; with `wide_blocks` (a CPU's tuning) the history a block sees whole goes in wider KV blocks
+    (`_wide_block_pages`). Rows of padded tokens come back as zeros.
     """
-    if cpu_kernel and decode_mode == "auto" and cpu_attention.supports(q, k_cache):
-        return cpu_attention.cpu_paged_attention(q, k_cache, v_cache, meta, scale)
     t, h, d = q.shape
     page_size, kvh = k_cache.shape[1], k_cache.shape[2]
     g = h // kvh
-    on_cpu = jax.default_backend() == "cpu"
-    if kv_block is None:
-        kv_block = DEFAULT_KV_BLOCK if on_cpu else ACCELERATOR_KV_BLOCK
     block_pages = max(1, kv_block // page_size)
     decode_block_pages = max(1, decode_kv_block // page_size)
     tail_pages = max(1, min(decode_block_pages, decode_tail_block // page_size))
     # Pad the page table so a block's dynamic slice never clips (clipping would shift the pages it reads).
     page_table = jnp.pad(meta.page_table, ((0, 0), (0, max(block_pages, decode_block_pages))))
     qg = q.reshape(t, kvh, g, d)
-    sizes = _block_sizes(default_q_blocks() if q_blocks is None else q_blocks, t)
+    sizes = _block_sizes(q_blocks, t)
     # A wide block never runs past the table's own pages: it covers history every query sees whole.
-    wide_pages = {rows: _wide_block_pages(g * rows, block_pages, page_size, meta.page_table.shape[1]) if on_cpu
-                  else () for rows in sizes}
+    wide_pages = {rows: _wide_block_pages(g * rows, block_pages, page_size, meta.page_table.shape[1])
+                  if wide_blocks else () for rows in sizes}
     out = jnp.zeros((t + sizes[0], kvh, g, d), jnp.float32)
 
-    if decode_mode == "auto":
-        decode_mode = "loop" if on_cpu else "batched"
+    if decode_mode not in ("loop", "batched"):
+        raise ValueError(f"decode_mode must be loop or batched, not {decode_mode!r}")
     if t == 1:  # a one-token step is one query at the end of its sequence (or padding, when num_seqs is 0)
         if decode_mode == "batched":
             # One loop over decode_kv_block blocks: on a GPU each loop iteration waits for the host to read its
@@ -299,15 +280,13 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: 
         o = _decode_batched(qg[:n], k_cache, v_cache, page_table[:n], jnp.where(is_decode, meta.kv_lens[:n], 0),
                             scale, decode_block_pages)
         out = out.at[:n].set(o)
-    elif decode_mode == "loop":
+    else:
         def decode_body(s: jax.Array, out: jax.Array) -> jax.Array:
             o = _decode_one(qg[s], k_cache, v_cache, page_table[s], meta.kv_lens[s], scale, decode_block_pages,
                             tail_pages)
             return lax.dynamic_update_slice_in_dim(out, o[None], s, axis=0)
 
         out = lax.fori_loop(0, meta.num_decodes, decode_body, out)
-    else:
-        raise ValueError(f"decode_mode must be auto, loop or batched, not {decode_mode!r}")
     out = _prefill_loops(qg, k_cache, v_cache, meta, page_table, out, scale, sizes, block_pages, wide_pages)
     return out.reshape(t, h, d).astype(q.dtype)
 

@@ -5,7 +5,8 @@
 // same ragged batch as `paged_attention` in jnp (q [T, H, D]; K/V pools [pages, page_size, kv_heads, D];
 // page_table [S, W]; kv_lens [S]; cu_q_lens [S+1]; num_seqs []) and computes causal GQA attention over every
 // sequence's pages with an online softmax. Work items are (sequence, KV head) pairs, with long chunks split into
-// tiles of query rows, spread over XLA's intra-op thread pool. Padded rows come back as zeros.
+// tiles of query rows, spread over XLA's intra-op thread pool. Padded rows come back as zeros. Vectors and register
+// blocks follow the instruction set built for (cpu_vec.h).
 
 #include <algorithm>
 #include <cmath>
@@ -25,11 +26,15 @@ namespace {
 constexpr int kBlockKeys = 64;      // keys per online-softmax step
 constexpr float kMasked = -1e30f;   // finite: the kernel is built with -ffast-math, which assumes no infinities
 
+using jaxserve::IVec;
 using jaxserve::kLanes;
+using jaxserve::kLineFloats;
+using jaxserve::kVecRegs;
 using jaxserve::Load;
 using jaxserve::Store;
 using jaxserve::Sum;
 using jaxserve::Vec;
+using jaxserve::WithBlock;
 
 struct Problem {
   const float* q;
@@ -67,7 +72,7 @@ void PointKeys(const Problem& p, const int32_t* row, int h, int k0, int nk, KeyB
       b.k[j] = p.k + base + i * stride;
       b.v[j] = p.v + base + i * stride;
       if (prefetch) {
-        for (int c = 0; c < D; c += kLanes) {
+        for (int c = 0; c < D; c += kLineFloats) {
           __builtin_prefetch(b.k[j] + c, 0, 2);
           __builtin_prefetch(b.v[j] + c, 0, 2);
         }
@@ -172,11 +177,8 @@ void Attend(const Problem& p, int s, int h, std::vector<float>& scratch) {
   }
 }
 
-
-typedef int32_t IVec __attribute__((vector_size(64)));
-
 // e^x for x <= 0 (Cephes' expf polynomial, ~2 ulp), in whole vectors: the tile path exponentiates a block's
-// scores 16 rows at a time.
+// scores a vector of rows at a time.
 inline Vec Exp(Vec x) {
   const Vec lo = Vec{} - 87.0f;
   x = x < lo ? lo : x;
@@ -196,7 +198,7 @@ inline Vec Exp(Vec x) {
 }
 
 // Scores of 4 keys against NV vectors of query rows: st[kk * mp + row] = q[row] . key[kk], with q transposed
-// ([D][mp]) so each key element is one broadcast against 16 rows.
+// ([D][mp]) so each key element is one broadcast against a vector of rows.
 template <int D, int NV>
 inline void ScoreKeys(const float* qt, int mp, const float* const* keys, float* st) {
   Vec acc[4][NV];
@@ -216,22 +218,25 @@ inline void ScoreKeys(const float* qt, int mp, const float* const* keys, float* 
 
 template <int D>
 void ScoreBlock(const float* qt, int mp, const float* const* keys, int nk4, float* st) {
-  constexpr int kMaxNV = 6;  // 4 keys x 6 vectors: 24 accumulators of AVX-512's 32 registers
+  // 4 keys x NV vectors of accumulators, NV vectors of q and a key's broadcast in the register file (AVX-512: 6,
+  // 24 accumulators of its 32 registers; AVX2: 3).
+  constexpr int kMaxNV = (kVecRegs - 1) / 5;
   for (int v0 = 0; v0 < mp / kLanes; v0 += kMaxNV) {
     const int nv = std::min(kMaxNV, mp / kLanes - v0);
     const float* q = qt + v0 * kLanes;
     float* s = st + v0 * kLanes;
-    for (int j = 0; j < nk4; j += 4) {
-      switch (nv) {
-        case 1: ScoreKeys<D, 1>(q, mp, keys + j, s + j * mp); break;
-        case 2: ScoreKeys<D, 2>(q, mp, keys + j, s + j * mp); break;
-        case 3: ScoreKeys<D, 3>(q, mp, keys + j, s + j * mp); break;
-        case 4: ScoreKeys<D, 4>(q, mp, keys + j, s + j * mp); break;
-        case 5: ScoreKeys<D, 5>(q, mp, keys + j, s + j * mp); break;
-        default: ScoreKeys<D, 6>(q, mp, keys + j, s + j * mp); break;
-      }
-    }
+    WithBlock<kMaxNV>(nv, [&](auto n) {
+      for (int j = 0; j < nk4; j += 4) ScoreKeys<D, decltype(n)::value>(q, mp, keys + j, s + j * mp);
+    });
   }
+}
+
+// P.V rows a pass of the tile path for C vectors a row: MR x C accumulators and a value row's C vectors in the
+// register file, MR a power of two up to 8 that divides a vector of rows (AVX-512, D = 64: 4; AVX2: 1).
+constexpr int PvRows(int c) {
+  int mr = std::min(8, kLanes);
+  while (mr > 1 && (mr + 1) * c > kVecRegs) mr /= 2;
+  return mr;
 }
 
 // Query rows (tokens x group) per work item of the tile path, and the fewest a sequence needs to take it (fewer
@@ -240,12 +245,12 @@ constexpr int kTileRows = 96;
 constexpr int kMinTileRows = 8;
 
 // Attention of query tokens [r0, r1) of sequence s (chunk-relative) for KV head h, as small GEMMs: Q^T is laid
-// out once per tile, each 64-key block is scored by broadcasting key elements against 16 rows at a time, the
-// online softmax runs 16 rows a vector, and P.V accumulates a few rows' outputs in registers per key.
+// out once per tile, each 64-key block is scored by broadcasting key elements against a vector of rows at a time,
+// the online softmax runs a vector of rows at a time, and P.V accumulates a few rows' outputs in registers per key.
 template <int D>
 void AttendTile(const Problem& p, int s, int h, int r0, int r1, std::vector<float>& scratch) {
   constexpr int C = D / kLanes;
-  constexpr int MR = C <= 2 ? 8 : C <= 6 ? 4 : C <= 12 ? 2 : 1;  // P.V rows a pass: MR x C accumulators
+  constexpr int MR = PvRows(C);
   const int q0 = p.cu_q_lens[s];
   const int q_len = p.cu_q_lens[s + 1] - q0;
   const int kv_len = p.kv_lens[s];

@@ -3,13 +3,15 @@
 //
 // XLA's CPU dots (Eigen, YNNPACK) ran a decode step's 2-32-row projections far below the memory bandwidth that
 // streaming the weights once needs (docs/tuning.md). Here each thread takes a band of w's columns and walks it
-// in blocks of kRowBlock rows of w: for every 16 columns it accumulates up to kMaxRows rows of y in registers over
-// the block, so w streams from memory as kRowBlock sequential row segments (the prefetcher follows those; the next
-// block's rows are prefetched into L2 as the current one is read) and y stays in cache between blocks. More rows
-// than kMaxRows take another pass. For w^T each thread takes a band of w's rows and walks them four at a time, the
-// rows of x a few at a time against them (from L1), as 16-float partial dot products summed across lanes at the
-// end of each row; for 9-16 rows of x, eight rows of w at a time are broadcast against x^T instead (BcastRows).
-// One row of x against w takes w's rows in contiguous parts instead of its columns in bands (RunOneRow).
+// in blocks of kRowBlock rows of w: for every 16 columns (a cache line) it accumulates up to kMaxRows rows of y in
+// registers over the block, so w streams from memory as kRowBlock sequential row segments (the prefetcher follows
+// those; the next block's rows are prefetched into L2 as the current one is read) and y stays in cache between
+// blocks. More rows than kMaxRows take more passes over each block while it is in L2, so w is read from memory
+// once. For w^T each thread takes a band of w's rows and walks them four at a time, the rows of x a few at a time
+// against them (from L1), as vector partial dot products summed across lanes at the end of each row; for 9-16
+// rows of x, a few rows of w at a time are broadcast against x^T instead (BcastRows). One row of x against w
+// takes w's rows in contiguous parts instead of its columns in bands (RunOneRow). Block sizes follow the vector
+// registers of the instruction set built for (cpu_vec.h).
 
 #include <algorithm>
 #include <cstdint>
@@ -24,13 +26,19 @@ namespace ffi = xla::ffi;
 namespace {
 
 using jaxserve::kLanes;
+using jaxserve::kLineFloats;
+using jaxserve::kVecRegs;
 using jaxserve::Load;
 using jaxserve::Store;
 using jaxserve::Sum;
 using jaxserve::Vec;
+using jaxserve::WithBlock;
 
 constexpr int kRowBlock = 16;  // rows of w per sweep over a band (more streams than this slowed `small`'s)
-constexpr int kMaxRows = 16;   // rows of y a pass keeps in registers
+constexpr int kTileVecs = kLineFloats / kLanes;  // vectors of y's 16 columns
+// Rows of y a pass keeps in registers: their accumulators, w's vectors and x's broadcast in the register file
+// (AVX-512: 16, the most measured; AVX2: 6).
+constexpr int kMaxRows = std::min(16, (kVecRegs - kTileVecs - 1) / kTileVecs);
 
 struct Problem {
   const float* x;
@@ -39,44 +47,44 @@ struct Problem {
   int64_t m, k, n;
 };
 
-// Rows [m0, m0 + MB) of y, columns [c0, c1) (a multiple of kLanes wide), for rows [k0, k0 + kb) of w, added to
-// what y holds unless k0 is 0.
+// Rows [m0, m0 + MB) of y, columns [c0, c1) (a multiple of 16 wide), for rows [k0, k0 + kb) of w, added to what
+// y holds unless k0 is 0; with `prefetch`, the next block's rows of w are requested into L2.
 template <int MB>
-inline void Sweep(const Problem& p, int64_t m0, int64_t c0, int64_t c1, int64_t k0, int kb) {
+inline void Sweep(const Problem& p, int64_t m0, int64_t c0, int64_t c1, int64_t k0, int kb, bool prefetch) {
   const float* x = p.x + m0 * p.k + k0;
   float* y = p.y + m0 * p.n;
-  const bool prefetch = k0 + 2 * kRowBlock <= p.k;
-  for (int64_t c = c0; c < c1; c += kLanes) {
-    Vec acc[MB];
-    for (int i = 0; i < MB; ++i) acc[i] = k0 ? Load(y + i * p.n + c) : Vec{};
+  for (int64_t c = c0; c < c1; c += kLineFloats) {
+    Vec acc[MB][kTileVecs];
+    for (int i = 0; i < MB; ++i)
+      for (int v = 0; v < kTileVecs; ++v) acc[i][v] = k0 ? Load(y + i * p.n + c + v * kLanes) : Vec{};
     const float* w = p.w + k0 * p.n + c;
     for (int r = 0; r < kb; ++r) {
       if (prefetch) __builtin_prefetch(w + (r + kRowBlock) * p.n, 0, 2);
-      const Vec wv = Load(w + r * p.n);
-      for (int i = 0; i < MB; ++i) acc[i] += x[i * p.k + r] * wv;
+      Vec wv[kTileVecs];
+      for (int v = 0; v < kTileVecs; ++v) wv[v] = Load(w + r * p.n + v * kLanes);
+      for (int i = 0; i < MB; ++i) {
+        const float xi = x[i * p.k + r];
+        for (int v = 0; v < kTileVecs; ++v) acc[i][v] += xi * wv[v];
+      }
     }
-    for (int i = 0; i < MB; ++i) Store(y + i * p.n + c, acc[i]);
+    for (int i = 0; i < MB; ++i)
+      for (int v = 0; v < kTileVecs; ++v) Store(y + i * p.n + c + v * kLanes, acc[i][v]);
   }
 }
 
-template <int MB>
-void Band(const Problem& p, int64_t m0, int64_t c0, int64_t c1) {
+// All rows of y, columns [c0, c1), in `passes` near-equal passes of rows over each block of w's rows (24 rows
+// under AVX-512 are two of 12, not 16 and 8); the first pass prefetches the next block, the others find the
+// block in L2.
+void Band(const Problem& p, int passes, int64_t c0, int64_t c1) {
   for (int64_t k0 = 0; k0 < p.k; k0 += kRowBlock) {
-    Sweep<MB>(p, m0, c0, c1, k0, static_cast<int>(std::min<int64_t>(kRowBlock, p.k - k0)));
-  }
-}
-
-void BandAny(const Problem& p, int rows, int64_t m0, int64_t c0, int64_t c1) {
-  switch (rows) {
-#define JAXSERVE_ROWS(n) \
-  case n:                \
-    return Band<n>(p, m0, c0, c1);
-    JAXSERVE_ROWS(1) JAXSERVE_ROWS(2) JAXSERVE_ROWS(3) JAXSERVE_ROWS(4) JAXSERVE_ROWS(5) JAXSERVE_ROWS(6)
-    JAXSERVE_ROWS(7) JAXSERVE_ROWS(8) JAXSERVE_ROWS(9) JAXSERVE_ROWS(10) JAXSERVE_ROWS(11) JAXSERVE_ROWS(12)
-    JAXSERVE_ROWS(13) JAXSERVE_ROWS(14) JAXSERVE_ROWS(15) JAXSERVE_ROWS(16)
-#undef JAXSERVE_ROWS
-    default:
-      return;
+    const int kb = static_cast<int>(std::min<int64_t>(kRowBlock, p.k - k0));
+    const bool prefetch = k0 + 2 * kRowBlock <= p.k;
+    for (int i = 0; i < passes; ++i) {
+      const int64_t m0 = p.m * i / passes, m1 = p.m * (i + 1) / passes;
+      WithBlock<kMaxRows>(static_cast<int>(m1 - m0), [&](auto mb) {
+        Sweep<decltype(mb)::value>(p, m0, c0, c1, k0, kb, prefetch && i == 0);
+      });
+    }
   }
 }
 
@@ -91,61 +99,67 @@ inline void DotRows(const Problem& p, int64_t m0, int64_t n, bool prefetch) {
   Vec acc[MB][4];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < 4; ++j) acc[i][j] = Vec{};
-  for (int64_t c = 0; c < p.k; c += kLanes) {
+  for (int64_t c0 = 0; c0 < p.k; c0 += kLineFloats) {
     if (prefetch) {
-      for (int j = 0; j < 4; ++j) __builtin_prefetch(w + (kDotPrefetchRows + j) * p.k + c, 0, 2);
+      for (int j = 0; j < 4; ++j) __builtin_prefetch(w + (kDotPrefetchRows + j) * p.k + c0, 0, 2);
     }
-    Vec wv[4];
-    for (int j = 0; j < 4; ++j) wv[j] = Load(w + j * p.k + c);
-    for (int i = 0; i < MB; ++i) {
-      const Vec xv = Load(p.x + (m0 + i) * p.k + c);
-      for (int j = 0; j < 4; ++j) acc[i][j] += xv * wv[j];
+    for (int64_t c = c0; c < c0 + kLineFloats; c += kLanes) {
+      Vec wv[4];
+      for (int j = 0; j < 4; ++j) wv[j] = Load(w + j * p.k + c);
+      for (int i = 0; i < MB; ++i) {
+        const Vec xv = Load(p.x + (m0 + i) * p.k + c);
+        for (int j = 0; j < 4; ++j) acc[i][j] += xv * wv[j];
+      }
     }
   }
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < 4; ++j) p.y[(m0 + i) * p.n + n + j] = Sum(acc[i][j]);
 }
 
-constexpr int kDotRows = 4;  // rows of x a pass: 4 x 4 accumulators, 4 + 4 loads a step
+// Rows of x a pass: MB x 4 accumulators, 4 rows of w and one of x in registers (AVX-512: 4, AVX2: 2).
+constexpr int kDotRows = std::min(4, (kVecRegs - 5) / 4);
 
 void DotBand(const Problem& p, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; n += 4) {
     for (int64_t m0 = 0; m0 < p.m; m0 += kDotRows) {
       const bool prefetch = m0 == 0 && n + kDotPrefetchRows + 4 <= n1;  // the first pass over these rows
-      switch (std::min<int64_t>(kDotRows, p.m - m0)) {
-        case 1: DotRows<1>(p, m0, n, prefetch); break;
-        case 2: DotRows<2>(p, m0, n, prefetch); break;
-        case 3: DotRows<3>(p, m0, n, prefetch); break;
-        default: DotRows<4>(p, m0, n, prefetch); break;
-      }
+      WithBlock<kDotRows>(static_cast<int>(std::min<int64_t>(kDotRows, p.m - m0)),
+                          [&](auto mb) { DotRows<decltype(mb)::value>(p, m0, n, prefetch); });
     }
   }
 }
 
-// x @ w^T for kBcastMinRows to kLanes rows of x. Four rows of w against four rows of x at a time re-read all of
-// x (from L2: 16 rows of `small`'s are 48 KB) for every four rows of w and sum every output across lanes. Here x^T
+// x @ w^T for kBcastMinRows to 16 rows of x. Four rows of w against four rows of x at a time re-read all of x
+// (from L2: 16 rows of `small`'s are 48 KB) for every four rows of w and sum every output across lanes. Here x^T
 // ([K][16], rows padded with zeros) is laid out once, and each element of kBcastRows rows of w is broadcast
-// against its 16-row vector, so y's columns accumulate in registers and x^T streams once per kBcastRows rows of
-// w. At 8 rows and fewer the four-by-four blocks stay faster; see docs/tuning.md.
-constexpr int kBcastRows = 8;
+// against its 16 rows, so y's columns accumulate in registers and x^T streams once per kBcastRows rows of w. At
+// 8 rows and fewer the four-by-four blocks stay faster; see docs/tuning.md.
+constexpr int kBcastVecs = kLineFloats / kLanes;  // vectors of x^T's 16 rows
+// Rows of w a step: their accumulators, x^T's vectors and w's broadcast in the register file (AVX-512: 8, AVX2: 4).
+constexpr int kBcastRows = jaxserve::FloorPow2(std::min(8, (kVecRegs - kBcastVecs - 1) / kBcastVecs));
 constexpr int kBcastMinRows = 9;
 
 inline void BcastRows(const Problem& p, const float* xt, int64_t n, bool prefetch) {
   const float* w = p.w + n * p.k;
-  Vec acc[kBcastRows];
-  for (int j = 0; j < kBcastRows; ++j) acc[j] = Vec{};
-  for (int64_t c0 = 0; c0 < p.k; c0 += kLanes) {
+  Vec acc[kBcastRows][kBcastVecs];
+  for (int j = 0; j < kBcastRows; ++j)
+    for (int v = 0; v < kBcastVecs; ++v) acc[j][v] = Vec{};
+  for (int64_t c0 = 0; c0 < p.k; c0 += kLineFloats) {
     if (prefetch) {
       for (int j = 0; j < kBcastRows; ++j) __builtin_prefetch(w + (kBcastRows + j) * p.k + c0, 0, 2);
     }
-    for (int64_t c = c0; c < c0 + kLanes; ++c) {
-      const Vec xv = Load(xt + c * kLanes);
-      for (int j = 0; j < kBcastRows; ++j) acc[j] += w[j * p.k + c] * xv;
+    for (int64_t c = c0; c < c0 + kLineFloats; ++c) {
+      Vec xv[kBcastVecs];
+      for (int v = 0; v < kBcastVecs; ++v) xv[v] = Load(xt + c * kLineFloats + v * kLanes);
+      for (int j = 0; j < kBcastRows; ++j) {
+        const float wj = w[j * p.k + c];
+        for (int v = 0; v < kBcastVecs; ++v) acc[j][v] += wj * xv[v];
+      }
     }
   }
-  alignas(64) float col[kLanes];
+  alignas(64) float col[kLineFloats];
   for (int j = 0; j < kBcastRows; ++j) {
-    Store(col, acc[j]);
+    for (int v = 0; v < kBcastVecs; ++v) Store(col + v * kLanes, acc[j][v]);
     for (int64_t m = 0; m < p.m; ++m) p.y[m * p.n + n + j] = col[m];
   }
 }
@@ -204,13 +218,13 @@ ffi::Error RunOneRow(ffi::ThreadPool& pool, const Problem& p) {
 ffi::Error Run(ffi::ThreadPool& pool, const Problem& p, bool transposed) {
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   if (p.m == 1 && !transposed) return RunOneRow(pool, p);
-  const bool bcast = transposed && p.m >= kBcastMinRows && p.m <= kLanes && p.n % kBcastRows == 0;
-  std::vector<float> xt(bcast ? p.k * kLanes : 0, 0.0f);
+  const bool bcast = transposed && p.m >= kBcastMinRows && p.m <= kLineFloats && p.n % kBcastRows == 0;
+  std::vector<float> xt(bcast ? p.k * kLineFloats : 0, 0.0f);
   for (int64_t m = 0; bcast && m < p.m; ++m) {
-    for (int64_t c = 0; c < p.k; ++c) xt[c * kLanes + m] = p.x[m * p.k + c];
+    for (int64_t c = 0; c < p.k; ++c) xt[c * kLineFloats + m] = p.x[m * p.k + c];
   }
   const float* xtp = xt.data();
-  const int64_t unit = bcast ? kBcastRows : transposed ? 4 : kLanes;
+  const int64_t unit = bcast ? kBcastRows : transposed ? 4 : kLineFloats;
   const int64_t units = p.n / unit;
   const int threads = static_cast<int>(std::max<int64_t>(1, pool.num_threads()));
   const int bands = static_cast<int>(std::min<int64_t>(threads * (transposed ? kBandsPerThreadNT : 1), units));
@@ -219,10 +233,7 @@ ffi::Error Run(ffi::ThreadPool& pool, const Problem& p, bool transposed) {
     const int64_t c0 = units * b / bands * unit, c1 = units * (b + 1) / bands * unit;
     if (bcast) return BcastBand(p, xtp, c0, c1);
     if (transposed) return DotBand(p, c0, c1);
-    for (int i = 0; i < passes; ++i) {  // near-equal passes: 24 rows are two of 12, not 16 and 8
-      const int64_t m0 = p.m * i / passes, m1 = p.m * (i + 1) / passes;
-      BandAny(p, static_cast<int>(m1 - m0), m0, c0, c1);
-    }
+    Band(p, passes, c0, c1);
   });
   return ffi::Error::Success();
 }
@@ -234,7 +245,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0]) {
     return ffi::Error::InvalidArgument("matmul: x must be [M, K] and w [K, N]");
   }
-  if (wd[1] % kLanes != 0) return ffi::Error::InvalidArgument("matmul: N must be a multiple of 16");
+  if (wd[1] % kLineFloats != 0) return ffi::Error::InvalidArgument("matmul: N must be a multiple of 16");
   return Run(pool, Problem{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[1]}, false);
 }
 
@@ -245,13 +256,16 @@ ffi::Error MatmulNTImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
     return ffi::Error::InvalidArgument("matmul_nt: x must be [M, K] and w [N, K]");
   }
-  if (wd[1] % kLanes != 0 || wd[0] % 4 != 0) {
+  if (wd[1] % kLineFloats != 0 || wd[0] % 4 != 0) {
     return ffi::Error::InvalidArgument("matmul_nt: K must be a multiple of 16 and N of 4");
   }
   return Run(pool, Problem{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[0]}, true);
 }
 
 }  // namespace
+
+// The instruction set the library was built for ("avx512", "avx2" or "portable"; cpu_vec.h), for the start-up log.
+extern "C" const char* JaxserveKernelIsa() { return jaxserve::kIsa; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmul, MatmulImpl,
                               ffi::Ffi::Bind()

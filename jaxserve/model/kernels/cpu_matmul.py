@@ -2,7 +2,8 @@
 
 A decode step's projections are x [T, in] @ w [in, out] with T the number of decodes: reading w once is the
 floor, and XLA's CPU dots ran them at a fraction of it (docs/tuning.md). From MAX_ROWS rows on, XLA's GEMM
-(YNNPACK) is as fast or faster and keeps them. Built with the other CPU kernels (`cpu_kernels`).
+(YNNPACK) is as fast or faster and keeps them; below, the engine's kernel plan (`kernel_choice`) keeps the row
+counts where XLA was measured faster on this machine. Built with the other CPU kernels (`cpu_kernels`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from jaxserve.model.kernels import cpu_kernels
 
 TARGET = "jaxserve_matmul"
 TARGET_NT = "jaxserve_matmul_nt"
-# Rows up to which the kernel beats XLA's dots on `small`'s matrices; see docs/tuning.md.
+# Rows up to which the kernel beat XLA's dots on `small`'s matrices (the plan's candidates); see docs/tuning.md.
 MAX_ROWS = 32
 
 

@@ -1,0 +1,140 @@
+"""Decides once per machine and model at which row counts jaxserve's CPU matmul kernel beats XLA's own dots, as a
+`KernelPlan` for the engine's start-up.
+
+For every row count the engine runs up to `cpu_matmul.MAX_ROWS` (its token buckets for the projections, its
+sequence buckets for the LM head), the model's own matrices (every layer's, so that they come from memory as in a
+step) are timed through the kernel and through XLA alternately; the kernel keeps a row count only where its
+median is the lower. The timings are cached beside the kernel library (`<library>.plan.json`: keyed like it by
+the sources, flags, compiler, jaxlib and CPU), per model shape and thread count, so later starts only read them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.model.kernels import cpu_kernels, cpu_matmul
+from jaxserve.model.kernels.kernel_plan import KernelPlan
+from jaxserve.model.llama import linear
+
+logger = logging.getLogger(__name__)
+
+REPEATS = 5  # alternating rounds of the two paths per row count; each keeps its median
+
+
+def model_matrices(model: Any) -> tuple[list[jax.Array], jax.Array, bool]:
+    """The [in, ...] weights a step's projections run over (every layer's, as `Attention` and `MLP` pass them to
+    `linear`), the LM head's weight, and whether that is tied (the embedding, read as x @ w^T)."""
+    weights = []
+    for layer in model.layers:
+        qkv = layer.attn.qkv[...]
+        weights += [qkv.reshape(qkv.shape[0], -1), layer.attn.o[...], layer.mlp.gate_up[...], layer.mlp.down[...]]
+    tied = model.lm_head is None
+    return weights, model.embed[...] if tied else model.lm_head[...], tied
+
+
+def _threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def signature(weights: Sequence[jax.Array], head: jax.Array, tied: bool) -> str:
+    """What the timings depend on beyond the library's key: the matrices' shapes and dtype, and the threads."""
+    shapes = Counter("x".join(map(str, w.shape)) for w in weights)
+    return (f"{_threads()} threads {head.dtype} " + " ".join(f"{s}*{n}" for s, n in sorted(shapes.items()))
+            + f" head {'x'.join(map(str, head.shape))}{' tied' if tied else ''}")
+
+
+def time_pair(kernel: Callable[..., Any], xla: Callable[..., Any], args: tuple,
+              repeats: int = REPEATS) -> list[float]:
+    """Median seconds of kernel(*args) and of xla(*args), after one call each (the compile), alternating so that
+    both see the same state of the machine."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for f in (kernel, xla):
+        jax.block_until_ready(f(*args))
+    for _ in range(repeats):
+        for f, ts in zip((kernel, xla), times, strict=True):
+            t = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            ts.append(time.perf_counter() - t)
+    return [float(np.median(ts)) for ts in times]
+
+
+def _measure_matmuls(weights: list[jax.Array], rows: Sequence[int], repeats: int) -> dict[str, list[float]]:
+    """[kernel, XLA] seconds per row count for all of `weights`, each as `linear` runs it."""
+    kernel, xla = (jax.jit(lambda xs, ws, k=k: [linear(xs[w.shape[0]], w, k) for w in ws]) for k in (True, False))
+    inputs = {w.shape[0] for w in weights}
+    return {str(r): time_pair(kernel, xla, ({n: jnp.ones((r, n), weights[0].dtype) for n in inputs}, weights),
+                              repeats) for r in rows}
+
+
+def _measure_head(model: Any, rows: Sequence[int], repeats: int) -> dict[str, list[float]]:
+    """[kernel, XLA] seconds per row count of the model's LM head, as `compute_logits` runs it."""
+    graphdef, state = nnx.split(model)
+    kernel, xla = (jax.jit(lambda s, h, k=k: nnx.merge(graphdef, s).compute_logits(h, cpu_kernel=k))
+                   for k in (True, False))
+    hidden, dtype = model.embed.shape[1], model.embed[...].dtype
+    return {str(r): time_pair(kernel, xla, (state, jnp.ones((r, hidden), dtype)), repeats) for r in rows}
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(path: Path, data: dict) -> None:
+    """Atomically: engines starting side by side each publish a whole file (the last one's timings win)."""
+    fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def choose(model: Any, token_buckets: Sequence[int], seq_buckets: Sequence[int], *, cache: Path | None = None,
+           repeats: int = REPEATS) -> KernelPlan | None:
+    """The plan for `model` on this machine: the row counts among the buckets the kernel can take where it was
+    measured faster than XLA (measured now for any not in `cache`, default beside the kernel library), logged in
+    one line. None where the kernels are not available."""
+    if not cpu_kernels.available():
+        return None
+    weights, head, tied = model_matrices(model)
+    supports_head = cpu_matmul.supports_nt if tied else cpu_matmul.supports
+    matmul_rows = [r for r in sorted(set(token_buckets)) if any(
+        cpu_matmul.supports(jax.ShapeDtypeStruct((r, w.shape[0]), w.dtype), w) for w in weights)]
+    head_rows = [r for r in sorted(set(seq_buckets))
+                 if supports_head(jax.ShapeDtypeStruct((r, model.embed.shape[1]), head.dtype), head)]
+    cache = cache or cpu_kernels.library_path().with_suffix(".plan.json")
+    data = _read(cache)
+    entry = data.setdefault(signature(weights, head, tied), {"matmul": {}, "head": {}})
+    t = time.perf_counter()
+    missing = [r for r in matmul_rows if str(r) not in entry["matmul"]]
+    missing_head = [r for r in head_rows if str(r) not in entry["head"]]
+    if missing or missing_head:
+        entry["matmul"].update(_measure_matmuls(weights, missing, repeats))
+        entry["head"].update(_measure_head(model, missing_head, repeats))
+        _write(cache, data)
+
+    def faster(timings: dict[str, list[float]], rows: list[int]) -> frozenset[int]:
+        return frozenset(r for r in rows if timings[str(r)][0] < timings[str(r)][1])
+
+    plan = KernelPlan(cpu_kernels.isa() or "", faster(entry["matmul"], matmul_rows), faster(entry["head"], head_rows))
+    how = f"measured in {time.perf_counter() - t:.1f} s" if missing or missing_head else "cached"
+    logger.info("%s (timings %s: %s)", plan.describe(), how, cache)
+    return plan

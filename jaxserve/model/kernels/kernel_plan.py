@@ -1,0 +1,33 @@
+"""Which row counts of a step's matmuls go to jaxserve's CPU matmul kernel: decided once at start-up, from what
+was measured faster than XLA's own dots on this machine (`kernel_choice.choose`), and passed down to
+`llama.linear` and the LM head, so that no step shape runs slower in the kernel than it would in XLA."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """The row counts at which x @ w (`matmul_rows`) and the LM head (`head_rows`) run in the kernel; at any other
+    count they run in XLA. Hashable: jitted functions close over it as a static choice."""
+
+    isa: str  # what the kernels were built for: "avx512", "avx2" or "portable"
+    matmul_rows: frozenset[int]
+    head_rows: frozenset[int]
+
+    def matmul(self, rows: int) -> bool:
+        """Whether a projection of `rows` rows goes to the kernel."""
+        return rows in self.matmul_rows
+
+    def head(self, rows: int) -> bool:
+        """Whether the LM head over `rows` hidden rows goes to the kernel."""
+        return rows in self.head_rows
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        def rows(r: frozenset[int]) -> str:
+            return ", ".join(map(str, sorted(r))) + " rows" if r else "no row count"
+
+        return (f"CPU kernels built for {self.isa}: matmul kernel at {rows(self.matmul_rows)}, LM head kernel at "
+                f"{rows(self.head_rows)}; XLA's dots at every other row count")

@@ -1,0 +1,86 @@
+"""The kernel plan: which row counts of the matmuls run in jaxserve's CPU kernel, measured once per machine and
+model against XLA's own dots (`kernel_choice.choose`), cached, and followed by `linear` and the LM head."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from jaxserve.model.kernels import cpu_kernels, cpu_matmul, kernel_choice
+from jaxserve.model.kernels.kernel_plan import KernelPlan
+from jaxserve.model.llama import LlamaForCausalLM, linear
+from planner.model_spec import PRESETS
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="jaxserve's CPU kernels are not built here")
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> LlamaForCausalLM:
+    return LlamaForCausalLM(PRESETS["tiny"], jnp.float32, rngs=nnx.Rngs(0))
+
+
+def plan(matmul_rows: set[int], head_rows: set[int] = frozenset()) -> KernelPlan:
+    return KernelPlan("test", frozenset(matmul_rows), frozenset(head_rows))
+
+
+def test_linear_runs_the_kernel_at_the_plans_row_counts_only():
+    w = jnp.ones((64, 96), jnp.float32)
+
+    def hlo(rows: int, p: KernelPlan | None) -> str:
+        return jax.jit(lambda x, w: linear(x, w, True, p)).lower(jnp.ones((rows, 64)), w).as_text()
+
+    assert cpu_matmul.TARGET in hlo(4, plan({4})) and cpu_matmul.TARGET not in hlo(8, plan({4}))
+    assert cpu_matmul.TARGET in hlo(8, None)  # no plan: every row count the kernel takes
+
+
+def test_the_lm_head_runs_the_kernel_at_the_plans_row_counts_only(tiny_model):
+    def hlo(rows: int) -> str:
+        f = jax.jit(lambda h: tiny_model.compute_logits(h, cpu_kernel=True, plan=plan({1, 4}, {1})))
+        return f.lower(jnp.ones((rows, 64), jnp.float32)).as_text()
+
+    assert cpu_matmul.TARGET_NT in hlo(1) and cpu_matmul.TARGET_NT not in hlo(4)
+
+
+def test_the_plan_keeps_the_kernel_where_it_was_faster(tiny_model, tmp_path, monkeypatch):
+    def fake_times(kernel, xla, args, repeats):  # the kernel wins below 8 rows
+        x = args[1] if isinstance(args[1], jax.Array) else next(iter(args[0].values()))
+        return [float(x.shape[0]), 8.0]
+
+    monkeypatch.setattr(kernel_choice, "time_pair", fake_times)
+    p = kernel_choice.choose(tiny_model, (1, 4, 8, 16, 64), (1, 2, 8), cache=tmp_path / "plan.json")
+    assert p.matmul_rows == {1, 4} and p.head_rows == {1, 2}
+    assert p.isa == cpu_kernels.isa()
+
+
+def test_the_plan_is_measured_once_then_read_from_its_cache(tiny_model, tmp_path, monkeypatch, caplog):
+    cache = tmp_path / "plan.json"
+    with caplog.at_level(logging.INFO, logger=kernel_choice.__name__):
+        first = kernel_choice.choose(tiny_model, (1, 4, 64), (1, 2), cache=cache, repeats=2)
+    assert "measured in" in caplog.text and f"built for {cpu_kernels.isa()}" in caplog.text
+    [entry] = json.loads(cache.read_text()).values()
+    assert set(entry["matmul"]) == {"1", "4"} and set(entry["head"]) == {"1", "2"}  # 64: more than MAX_ROWS
+    assert first.matmul_rows <= {1, 4} and first.head_rows <= {1, 2}
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("timed again")
+
+    monkeypatch.setattr(kernel_choice, "time_pair", no_timing)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=kernel_choice.__name__):
+        assert kernel_choice.choose(tiny_model, (4, 1), (2, 1), cache=cache) == first
+    assert "timings cached" in caplog.text
+
+
+def test_the_cache_tells_models_apart(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(kernel_choice, "time_pair", lambda kernel, xla, args, repeats: [1.0, 2.0])
+    cache = tmp_path / "plan.json"
+    kernel_choice.choose(tiny_model, (1,), (1,), cache=cache)
+    one_layer = LlamaForCausalLM(dataclasses.replace(PRESETS["tiny"], num_layers=1), jnp.float32, rngs=nnx.Rngs(0))
+    kernel_choice.choose(one_layer, (1,), (1,), cache=cache)
+    assert len(json.loads(cache.read_text())) == 2
