@@ -53,6 +53,9 @@ def test_report_files_and_keys(report_dir):
     assert {"chunked_p99", "unchunked_stall", "chunked_prediction"} <= set(s["met"])
     modes = {r["config"]["mode"]: r for r in rep["rows"] if r["kind"] == "chunked-prefill"}
     assert modes["chunked"]["config"]["step_budget"] < modes["unchunked"]["config"]["step_budget"]
+    # The report names the kernels it measured, so two machines' reports can be told apart.
+    assert rep["engine"]["attention_backend"] in {"reference", "cpu", "pallas"}
+    assert rep["engine"]["attention_backend"] in md
 
 
 def test_reference_steps_checkpoint_the_machine_between_parts(report_dir):

@@ -147,7 +147,7 @@ def _calibrate(engine, cfg: CalibrationConfig, progress: Progress | None, seed: 
     peak = measure_matmul(cfg.matmul_n, engine.dtype)
     say("GEMM rows", 0.1)
     gemm = measure_gemm_rows(cfg.gemm_rows, spec.hidden_size, 2 * spec.intermediate_size, engine.dtype,
-                             cpu_kernel=engine.runner.cpu_kernels)
+                             cpu_kernel=engine.runner.cpu_kernels, plan=engine.runner.kernel_plan)
     hw, device = local_hardware(bw, peak, dtype)
     ids = PromptSource(engine, seed)
     budget = min(engine.config.max_num_batched_tokens, engine.config.chunk_size)
@@ -187,7 +187,8 @@ def _calibrate(engine, cfg: CalibrationConfig, progress: Progress | None, seed: 
     # another kernel on a CPU (XLA's GEMV), whose rate the fit takes from the engine's one-decode steps
     # (gemv_speedup): measured apart, its stream jumped between calibrations while the engine's one-row steps did
     # not (docs/tuning.md). The one-row stream is kept as a measurement.
-    streams = measure_weight_streams(engine_mlp_weights(engine), cpu_kernel=engine.runner.cpu_kernels)
+    streams = measure_weight_streams(engine_mlp_weights(engine), cpu_kernel=engine.runner.cpu_kernels,
+                                     plan=engine.runner.kernel_plan)
     stream, stream_rows = streams[1], streams[2]
     fixed = {"weight_bw_eff": float(np.clip(stream_rows / bw, 0.01, 1.5))}
     coefficients, _ = fit_coefficients(spec, hw, [Sample(s.shape, s.seconds) for s in samples], dtype=dtype,

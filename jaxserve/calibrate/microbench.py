@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.model.kernels.kernel_plan import KernelPlan
 from jaxserve.model.llama import linear
 from planner.hardware import CATALOG, GIGA, Hardware
 
@@ -44,12 +45,12 @@ def measure_matmul(n: int, dtype: Any, repeats: int = 3) -> float:
 
 
 def measure_gemm_rows(rows: tuple[int, ...], k: int, n: int, dtype: Any, repeats: int = 3,
-                      cpu_kernel: bool = False) -> list[dict[str, float]]:
+                      cpu_kernel: bool = False, plan: KernelPlan | None = None) -> list[dict[str, float]]:
     """Time of x[M, k] @ W[k, n] per M (the model's fused gate/up shape) as the model runs it (`linear`, which
-    picks the CPU matmul by M; `cpu_kernel`: the engine's, whether it may use jaxserve's): achieved FLOP/s and
-    bytes/s."""
+    picks the CPU matmul by M; `cpu_kernel` and `plan`: the engine's, whether and at which row counts it uses
+    jaxserve's): achieved FLOP/s and bytes/s."""
     w = jnp.ones((k, n), dtype)
-    f = jax.jit(lambda x, w: linear(x, w, cpu_kernel))
+    f = jax.jit(lambda x, w: linear(x, w, cpu_kernel, plan))
     out = []
     for m in rows:
         x = jnp.ones((m, k), dtype)
@@ -60,12 +61,13 @@ def measure_gemm_rows(rows: tuple[int, ...], k: int, n: int, dtype: Any, repeats
 
 
 def measure_weight_streams(weights: list[Any], rows: tuple[int, ...] = (1, 2), repeats: int = 50,
-                           cpu_kernel: bool = False) -> dict[int, float]:
+                           cpu_kernel: bool = False, plan: KernelPlan | None = None) -> dict[int, float]:
     """Weight bytes/s of each `rows` count of tokens through `weights` ([in, ...] arrays, together more than a
-    cache holds), as the model runs them (`linear`, with `cpu_kernel` as the engine has it): a decode's weight
-    streaming. The row counts alternate and each keeps its median, so their ratio compares the two kernels in the
-    same state of the machine. Fifty repeats keep that ratio steady where fewer let it wander (docs/tuning.md)."""
-    f = jax.jit(lambda x, ws: sum(linear(x, w, cpu_kernel).sum() for w in ws))
+    cache holds), as the model runs them (`linear`, with `cpu_kernel` and `plan` as the engine has them): a
+    decode's weight streaming. The row counts alternate and each keeps its median, so their ratio compares the
+    two kernels in the same state of the machine. Fifty repeats keep that ratio steady where fewer let it wander
+    (docs/tuning.md)."""
+    f = jax.jit(lambda x, ws: sum(linear(x, w, cpu_kernel, plan).sum() for w in ws))
     k = weights[0].shape[0]
     xs = {r: jnp.ones((r, k), weights[0].dtype) for r in rows}
     times: dict[int, list[float]] = {r: [] for r in rows}

@@ -16,7 +16,10 @@ def write_markdown(report: dict[str, Any], path: str | Path) -> None:
     rows = report["rows"]
     lines = [f"# jaxserve report: {report['model']} ({report['dtype']}) on {report['hardware']}", "",
              f"{report['date']}, {report['seconds']:.0f} s; engine step budget {report['engine']['step_budget']} "
-             f"tokens, max_num_seqs {report['engine']['max_num_seqs']}.", ""]
+             f"tokens, max_num_seqs {report['engine']['max_num_seqs']}; attention backend "
+             f"{report['engine'].get('attention_backend')}.", ""]
+    if report["engine"].get("cpu_kernels"):
+        lines += [f"{report['engine']['cpu_kernels']}.", ""]
     cal = report.get("calibration")
     if cal:
         lines += [f"Calibrated in {cal['seconds']:.0f} s over {cal['samples']} engine steps "
