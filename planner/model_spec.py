@@ -18,7 +18,10 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
@@ -32,7 +35,7 @@ class ModelSpec:
     """Architecture of a decoder-only transformer, in HF config terms."""
 
     name: str
-    architecture: str  # llama | mistral | qwen2 | mixtral | deepseek_v3
+    architecture: str  # llama | mistral | qwen2 | qwen3 | mixtral | qwen3_moe | deepseek_v2 | deepseek_v3
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -42,6 +45,7 @@ class ModelSpec:
     vocab_size: int
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on each query and key head, before RoPE
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
@@ -54,6 +58,13 @@ class ModelSpec:
     num_shared_experts: int = 0
     moe_intermediate_size: int = 0
     first_k_dense_layers: int = 0
+    mlp_only_layers: tuple[int, ...] = ()  # Qwen3-MoE: layers kept dense past first_k_dense_layers
+    decoder_sparse_step: int = 1  # Qwen3-MoE: every n-th layer is sparse
+    norm_topk_prob: bool = False  # renormalize the k routing weights to sum to 1 (Mixtral always does)
+    routed_scaling_factor: float = 1.0  # DeepSeek: routed experts' output scale
+    topk_method: str = "greedy"  # DeepSeek-V2: greedy | group_limited_greedy (n_group groups, topk_group kept)
+    n_group: int = 1
+    topk_group: int = 1
     # Multi-head latent attention (kv_lora_rank 0 = ordinary MHA/GQA).
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
@@ -71,9 +82,14 @@ class ModelSpec:
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based) routes its MLP through experts."""
+        return (self.is_moe and layer >= self.first_k_dense_layers and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
     @property
     def num_moe_layers(self) -> int:
-        return self.num_layers - self.first_k_dense_layers if self.is_moe else 0
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
     @property
     def num_dense_layers(self) -> int:
@@ -160,6 +176,18 @@ PRESETS: dict[str, ModelSpec] = {
         # A ~1B Llama-3.2-1B-shaped synthetic model for the GPU report script.
         _llama("synthetic-1b", 16, 2048, 32, 8, 8192, 128256, tie_word_embeddings=True, rope_theta=500000.0,
                max_position_embeddings=8192, bos_token_id=256, eos_token_id=257, synthetic=True),
+        # Synthetic MoE and MLA presets (random weights, byte-level tokenizer): Mixtral-like top-2 of 8, and a
+        # DeepSeek-V2-like model with a latent KV pool of 48 + 16 per token, a dense first layer, shared experts.
+        _llama("tiny-moe", 2, 64, 4, 2, 64, 512, architecture="mixtral", tie_word_embeddings=True,
+               bos_token_id=256, eos_token_id=257, synthetic=True, num_experts=8, num_experts_per_tok=2,
+               moe_intermediate_size=64, norm_topk_prob=True),
+        _llama("small-moe", 8, 512, 8, 4, 768, 32000, architecture="mixtral", tie_word_embeddings=True,
+               rope_theta=500000.0, max_position_embeddings=8192, bos_token_id=256, eos_token_id=257,
+               synthetic=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768, norm_topk_prob=True),
+        _llama("tiny-mla", 2, 64, 4, 4, 128, 512, architecture="deepseek_v2", head_dim=16, tie_word_embeddings=True,
+               bos_token_id=256, eos_token_id=257, synthetic=True, num_experts=8, num_experts_per_tok=2,
+               num_shared_experts=1, moe_intermediate_size=32, first_k_dense_layers=1, kv_lora_rank=48,
+               qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16),
         # Published architectures (values from each model's HF config.json).
         _llama("llama-2-7b", 32, 4096, 32, 32, 11008, 32000),
         _llama("llama-2-13b", 40, 5120, 40, 40, 13824, 32000),
@@ -190,12 +218,12 @@ def _first_id(value: Any) -> int | None:
 
 
 def spec_from_hf_config(config: dict[str, Any], name: str = "custom") -> ModelSpec:
-    """Build a spec from an HF `config.json` dict (Llama, Mistral, Qwen2, Mixtral, DeepSeek-V3)."""
+    """Build a spec from an HF `config.json` dict (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, DeepSeek)."""
     archs = config.get("architectures") or []
     arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
-        by_type = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "mixtral": "mixtral",
-                   "deepseek_v3": "deepseek_v3"}
+        by_type = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
+                   "qwen3_moe": "qwen3_moe", "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3"}
         arch = by_type.get(config.get("model_type", ""))
     if arch is None:
         raise ModelSpecError(
@@ -213,6 +241,7 @@ def spec_from_hf_config(config: dict[str, Any], name: str = "custom") -> ModelSp
             intermediate_size=int(config["intermediate_size"]), vocab_size=int(config["vocab_size"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=bool(config.get("attention_bias", arch == "qwen2")),
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
             rope_theta=float(config.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
             rope_scaling=config.get("rope_scaling") or (
@@ -226,8 +255,20 @@ def spec_from_hf_config(config: dict[str, Any], name: str = "custom") -> ModelSp
     if arch == "mixtral":
         common.update(num_experts=int(config["num_local_experts"]),
                       num_experts_per_tok=int(config["num_experts_per_tok"]),
-                      moe_intermediate_size=common["intermediate_size"])
-    if arch == "deepseek_v3":
+                      moe_intermediate_size=common["intermediate_size"], norm_topk_prob=True)
+    if arch == "qwen3_moe":
+        common.update(num_experts=int(config.get("num_experts") or config["num_local_experts"]),
+                      num_experts_per_tok=int(config["num_experts_per_tok"]),
+                      moe_intermediate_size=int(config["moe_intermediate_size"]),
+                      norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+                      decoder_sparse_step=int(config.get("decoder_sparse_step") or 1),
+                      mlp_only_layers=tuple(int(i) for i in config.get("mlp_only_layers") or ()))
+    if arch in ("deepseek_v2", "deepseek_v3"):
+        # V2's router: softmax, top-k (greedy or by group), times routed_scaling_factor; HF's V2 ignores norm_topk_prob.
+        common.update(head_dim=int(config["qk_rope_head_dim"]),
+                      routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+                      topk_method=str(config.get("topk_method") or "greedy"),
+                      n_group=int(config.get("n_group") or 1), topk_group=int(config.get("topk_group") or 1))
         common.update(
             num_experts=int(config["n_routed_experts"]), num_experts_per_tok=int(config["num_experts_per_tok"]),
             num_shared_experts=int(config.get("n_shared_experts", 0)),

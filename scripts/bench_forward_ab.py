@@ -6,7 +6,7 @@
     python scripts/bench_forward_ab.py --batch 8 --cpu-matmul-max-rows 32,0
 
 Each variant is one engine (`small`, float32, a 256 MiB KV pool) running `--batch` decodes after 128-token
-prompts; `--eigen-max-rows` sets `jaxserve.model.llama.CPU_EIGEN_MAX_ROWS` while that engine first traces its
+prompts; `--eigen-max-rows` sets `jaxserve.model.layers.CPU_EIGEN_MAX_ROWS` while that engine first traces its
 forward (0: every projection goes to XLA's default GEMM); `--cpu-matmul-max-rows` sets
 `jaxserve.model.kernels.cpu_matmul.MAX_ROWS` the same way (0: no projection goes to jaxserve's matmul kernel);
 `--cpu-kernels 0` keeps attention and projections in XLA.
@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 import jaxserve.model.kernels.cpu_matmul as cpu_matmul
-import jaxserve.model.llama as llama
+import jaxserve.model.layers as layers
 from jaxserve.core.engine_config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.llm_engine import LLMEngine
@@ -35,7 +35,7 @@ from jaxserve.runner.model_runner import bucket_for
 def decode_forward(model: str, batch: int, eigen_max_rows: int, matmul_max_rows: int, token_buckets: tuple[int, ...],
                    kernel: bool):
     """A zero-argument function running one engine's jitted forward on a decode step of `batch` requests."""
-    llama.CPU_EIGEN_MAX_ROWS = eigen_max_rows
+    layers.CPU_EIGEN_MAX_ROWS = eigen_max_rows
     cpu_matmul.MAX_ROWS = matmul_max_rows
     budget = {"max_num_batched_tokens": token_buckets[-1]} if token_buckets else {}
     engine = LLMEngine(EngineConfig(model=model, max_num_seqs=max(32, batch), kv_cache_memory=256 << 20,
@@ -62,7 +62,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="small")
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--eigen-max-rows", default=str(llama.CPU_EIGEN_MAX_ROWS), help="comma-separated variants")
+    ap.add_argument("--eigen-max-rows", default=str(layers.CPU_EIGEN_MAX_ROWS), help="comma-separated variants")
     ap.add_argument("--cpu-matmul-max-rows", default=str(cpu_matmul.MAX_ROWS), help="comma-separated variants")
     ap.add_argument("--token-buckets", default="", help="';'-separated ladders, each comma-separated; "
                     "empty: the engine's default")

@@ -94,8 +94,12 @@ def convert(src: str | Path, dst: str | Path, dtype: jnp.dtype | str | None = No
 
 
 def hf_config(spec: ModelSpec) -> dict[str, Any]:
-    """An HF `config.json` dict for a Llama-family spec."""
-    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+    """An HF `config.json` dict for a dense Llama-family spec (export does not write experts or MLA yet)."""
+    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM"}
+    if spec.architecture not in arch:
+        raise CheckpointError(f"exporting {spec.architecture} to HF is not supported (dense families only: "
+                              f"{', '.join(arch)})")
     config: dict[str, Any] = {
         "architectures": [arch[spec.architecture]], "model_type": spec.architecture,
         "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
@@ -112,6 +116,7 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
 def save_hf_checkpoint(model: LlamaForCausalLM, spec: ModelSpec, dst: str | Path,
                        max_shard_bytes: int | None = None) -> Path:
     """Write the model as an HF safetensors folder (for tests and benchmarks), sharded if asked."""
+    config = hf_config(spec)
     dst = Path(dst).expanduser()
     dst.mkdir(parents=True, exist_ok=True)
     tensors = dict(_hf_tensors(model, spec))
@@ -129,7 +134,7 @@ def save_hf_checkpoint(model: LlamaForCausalLM, spec: ModelSpec, dst: str | Path
             save_file(shard, str(dst / fname))
             weight_map.update(dict.fromkeys(shard, fname))
         (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (dst / "config.json").write_text(json.dumps(hf_config(spec), indent=1))
+    (dst / "config.json").write_text(json.dumps(config, indent=1))
     return dst
 
 
@@ -154,6 +159,9 @@ def _hf_tensors(model: LlamaForCausalLM, spec: ModelSpec):
             yield p + "self_attn.k_proj.bias", a(b[:, g].reshape(-1))
             yield p + "self_attn.v_proj.bias", a(b[:, g + 1].reshape(-1))
         yield p + "self_attn.o_proj.weight", a(layer.attn.o[...].T)
+        if layer.attn.q_norm is not None:
+            yield p + "self_attn.q_norm.weight", a(layer.attn.q_norm.weight[...])
+            yield p + "self_attn.k_norm.weight", a(layer.attn.k_norm.weight[...])
         gu = np.asarray(layer.mlp.gate_up[...])
         yield p + "mlp.gate_proj.weight", a(gu[:, 0].T)
         yield p + "mlp.up_proj.weight", a(gu[:, 1].T)

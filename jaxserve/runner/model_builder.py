@@ -19,7 +19,7 @@ from flax import nnx
 from jaxserve.core.engine_config import EngineConfig
 from jaxserve.model.checkpoint import load_checkpoint
 from jaxserve.model.dtypes import resolve_dtype
-from jaxserve.model.llama import KVCaches, LlamaForCausalLM
+from jaxserve.model.llama import KVCaches, LlamaForCausalLM, kv_pool_layout
 from jaxserve.runner.parallel import (
     effective_spec,
     kv_sharding,
@@ -58,7 +58,8 @@ def load_model(config: EngineConfig, spec: ModelSpec, dtype: jnp.dtype,
 
     tp = mesh.devices.size if mesh is not None else 1
     local = mesh is not None and all(d.process_index == jax.process_index() for d in mesh.devices.flat)
-    direct = local and all(n % tp == 0 for n in (spec.num_kv_heads, spec.vocab_size, spec.intermediate_size))
+    direct = local and all(n % tp == 0 for n in (spec.num_kv_heads, spec.vocab_size, spec.intermediate_size,
+                                                 spec.moe_intermediate_size))
     return load_checkpoint(os.path.expanduser(config.model), spec, dtype, mesh=mesh if direct else None)
 
 
@@ -127,10 +128,11 @@ def build_model_and_cache(config: EngineConfig, spec: ModelSpec) -> BuiltModel:
 
 def init_sharded_kv_cache(spec: ModelSpec, num_pages: int, page_size: int, dtype: jnp.dtype,
                           mesh: jax.sharding.Mesh) -> KVCaches:
-    """Zeroed per-layer (k, v) pools `[num_pages, page_size, kv_heads, head_dim]`, sharded on kv_heads.
+    """Zeroed per-layer (k, v) pools `[num_pages, page_size, kv_heads, head_dim]`, sharded on kv_heads (MLA: one
+    latent pool a layer, `llama.kv_pool_layout`).
 
     Each device allocates only its own shard (no full pool is ever built on one device).
     """
-    shape = (num_pages, page_size, spec.num_kv_heads, spec.head_dim)
+    shape, n = kv_pool_layout(spec, num_pages, page_size)
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_sharding(mesh))
-    return [(zeros(), zeros()) for _ in range(spec.num_layers)]
+    return [tuple(zeros() for _ in range(n)) for _ in range(spec.num_layers)]

@@ -3,7 +3,8 @@
 A mesh has one axis, "tp". Parameters follow the declarative table in `jaxserve.model.weights`
 (`PARTITION_SPECS`: column-parallel qkv by KV head and gate/up, row-parallel o and down, vocab-parallel embedding
 and head, replicated norms); the KV pool `[num_pages, page_size, kv_heads, head_dim]` is sharded on kv_heads.
-XLA's SPMD partitioner inserts the all-reduces after the row-parallel matmuls.
+XLA's SPMD partitioner inserts the all-reduces after the row-parallel matmuls. MoE layers are tensor parallel
+too: every expert's intermediate axis is split (`jaxserve.model.moe`), the router replicated.
 
 When tp exceeds the model's KV heads (e.g. 2 KV heads on 4 devices), each KV head is replicated
 `r = tp / kv_heads` times at load time: the fused qkv `[hidden, kv_heads, group + 2, head_dim]` is re-laid as
@@ -36,8 +37,8 @@ def check_tp(spec: ModelSpec, tp: int) -> None:
     """Raise ValueError when `spec` cannot be split `tp` ways (heads, or KV heads either way, must divide)."""
     if tp == 1:
         return
-    if spec.is_mla or spec.is_moe:
-        raise ValueError(f"{spec.name}: tensor parallelism supports dense GQA models only")
+    if spec.is_mla:
+        raise ValueError(f"{spec.name}: tensor parallelism does not support MLA (latent attention) yet")
     if spec.num_heads % tp:
         raise ValueError(f"tensor_parallel_size {tp} must divide the number of attention heads "
                          f"({spec.num_heads}) of {spec.name}")

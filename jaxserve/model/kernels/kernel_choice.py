@@ -37,10 +37,7 @@ REPEATS = 5  # alternating rounds of the two paths per row count; each keeps its
 def model_matrices(model: Any) -> tuple[list[jax.Array], jax.Array, bool]:
     """The [in, ...] weights a step's projections run over (every layer's, as `Attention` and `MLP` pass them to
     `linear`), the LM head's weight, and whether that is tied (the embedding, read as x @ w^T)."""
-    weights = []
-    for layer in model.layers:
-        qkv = layer.attn.qkv[...]
-        weights += [qkv.reshape(qkv.shape[0], -1), layer.attn.o[...], layer.mlp.gate_up[...], layer.mlp.down[...]]
+    weights = [w for layer in model.layers for w in layer.matmul_weights()]
     tied = model.lm_head is None
     return weights, model.embed[...] if tied else model.lm_head[...], tied
 
