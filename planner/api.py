@@ -23,6 +23,7 @@ from planner.search import Candidate, search
 from planner.serving import ServingConfig, ServingPrediction, Workload
 from planner.serving import predict_serving as _predict_serving
 from planner.simulate import SimResult, simulate
+from planner.speculative import SpeculativePrediction, choose_k, predict_speculative
 from planner.step_model import (
     StepTime,
     decode_shape,
@@ -193,6 +194,11 @@ class PlanRequest:
     disaggregate: bool = False
     simulate: bool = False
     simulate_requests: int = 600
+    # Speculative decoding: k drafts per step accepted with probability `acceptance` (planner/speculative.py).
+    speculative_k: int | None = None
+    acceptance: float | None = None
+    speculative_method: str = "draft_model"
+    draft_model: str | ModelSpec | None = None
 
     def workload(self) -> Workload:
         conc = self.concurrency
@@ -213,6 +219,8 @@ class PlanResult:
     candidates: list[Candidate]
     disaggregated: DisaggPlan | None = None
     simulation: SimResult | None = None
+    speculative: SpeculativePrediction | None = None  # at the plan's decode batch and mean context
+    speculative_best: SpeculativePrediction | None = None  # the k (1..8) with the lowest TPOT at that acceptance
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -263,6 +271,9 @@ class PlanResult:
                 "ttft_ms": self.simulation.ttft.to_dict(), "tpot_ms": self.simulation.tpot.to_dict(),
                 "itl_ms": self.simulation.itl.to_dict(), "requests_per_s": self.simulation.requests_per_s,
                 "output_tokens_per_s": self.simulation.output_tokens_per_s},
+            "speculative": None if self.speculative is None else {
+                **self.speculative.to_json(), "best_k": self.speculative_best.k,
+                "best_tpot_ms": self.speculative_best.tpot_s * 1e3},
             "notes": self.notes,
         }
         return _finite(out)
@@ -311,7 +322,23 @@ def plan(req: PlanRequest) -> PlanResult:
                 result.notes.append("no prefill/decode split fits and sustains the load on these devices")
     if req.simulate:
         result.simulation = simulate(spec, hw, wl, best.config, num_requests=req.simulate_requests)
+    if req.speculative_k is not None:
+        _plan_speculative(req, spec, hw, result)
     return result
+
+
+def _plan_speculative(req: PlanRequest, spec: ModelSpec, hw: Hardware, result: PlanResult) -> None:
+    """The speculative prediction at the chosen config's decode batch and the workload's mean context."""
+    if req.acceptance is None:
+        raise ValueError("--speculative-k needs --acceptance (the probability a draft token is accepted)")
+    draft = resolve_model(req.draft_model) if req.draft_model is not None else None
+    if req.speculative_method == "draft_model" and draft is None:
+        raise ValueError("a draft_model plan needs --draft-model (or --speculative-method ngram)")
+    kw: dict[str, Any] = dict(acceptance=req.acceptance, method=req.speculative_method, draft=draft,
+                              batch=max(1, round(result.prediction.decode_batch)), tp=result.config.tp,
+                              context_len=req.input_len + req.output_len / 2, dtype=req.dtype, kv_dtype=req.kv_dtype)
+    result.speculative = predict_speculative(spec, hw, k=req.speculative_k, **kw)
+    result.speculative_best = choose_k(spec, hw, **kw)
 
 
 def with_coefficients(hardware: str | Path | Hardware, **coefficients: float) -> Hardware:

@@ -50,6 +50,12 @@ def _positive(name: str, value: float | None) -> None:
               help="Fraction of device memory for weights + workspace + KV.")
 @click.option("--num-scheduler-steps", default=1, show_default=True, type=int,
               help="Decode steps per dispatch (the runtime's flag): the host overhead is paid once per dispatch.")
+@click.option("--speculative-k", type=int, default=None,
+              help="Speculative decoding: drafts verified per step; TPOT at the plan's decode batch (--acceptance).")
+@click.option("--acceptance", type=float, default=None, help="Probability that a draft token is accepted, in [0, 1].")
+@click.option("--speculative-method", type=click.Choice(["draft_model", "ngram"]), default="draft_model",
+              show_default=True, help="Proposer: a draft model (--draft-model) or n-gram lookup (no model).")
+@click.option("--draft-model", default=None, help="The draft model: a preset or an HF config.json / folder.")
 @click.option("--disaggregate", is_flag=True, help="Also plan separate prefill and decode pools.")
 @click.option("--simulate", is_flag=True, help="Check the chosen config with a discrete-event simulation.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the report.")
@@ -58,7 +64,8 @@ def plan(model: str, hardware: str, num_devices: int | None, input_len: int, out
          prefix_hit: float, request_rate: float | None, concurrency: float | None, ttft_slo_ms: float | None,
          tpot_slo_ms: float | None, tp: int | None, max_num_seqs: int | None, chunk_size: int | None,
          page_size: int, dtype: str, kv_dtype: str | None, gpu_memory_utilization: float,
-         num_scheduler_steps: int, disaggregate: bool,
+         num_scheduler_steps: int, speculative_k: int | None, acceptance: float | None, speculative_method: str,
+         draft_model: str | None, disaggregate: bool,
          simulate: bool, as_json: bool, top: int) -> None:
     """Plan a deployment: TP, replicas, max_num_seqs, chunk size, and the TTFT/TPOT users will see."""
     if num_devices is None:
@@ -76,12 +83,17 @@ def plan(model: str, hardware: str, num_devices: int | None, input_len: int, out
         raise click.UsageError("--spread and --prefix-hit must be in [0, 1)")
     if gpu_memory_utilization > 1:
         raise click.UsageError("--gpu-memory-utilization must be at most 1")
+    _positive("--speculative-k", speculative_k)
+    if acceptance is not None and not 0 <= acceptance <= 1:
+        raise click.UsageError(f"--acceptance must be in [0, 1], got {acceptance:g}")
     req = PlanRequest(model=model, hardware=hardware, num_devices=num_devices, input_len=input_len,
                       output_len=output_len, spread=spread, prefix_hit=prefix_hit, request_rate=request_rate,
                       concurrency=concurrency, ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms, tp=tp,
                       max_num_seqs=max_num_seqs, chunk_size=chunk_size, page_size=page_size, dtype=dtype,
                       kv_dtype=kv_dtype, gpu_memory_utilization=gpu_memory_utilization,
-                      num_scheduler_steps=num_scheduler_steps, disaggregate=disaggregate, simulate=simulate)
+                      num_scheduler_steps=num_scheduler_steps, speculative_k=speculative_k, acceptance=acceptance,
+                      speculative_method=speculative_method, draft_model=draft_model, disaggregate=disaggregate,
+                      simulate=simulate)
     try:
         result = run_plan(req)
     except (ModelSpecError, HardwareError, ConfigError, DoesNotFitError, ValueError) as e:
@@ -136,6 +148,12 @@ def report(result: PlanResult, top: int = 5, console: Console | None = None) -> 
     if j["simulated"]:
         s = j["simulated"]
         con.print(f"[bold]simulated[/bold]: TTFT {_ms(s['ttft_ms'])}; TPOT {_ms(s['tpot_ms'])}")
+    sp = j["speculative"]
+    if sp:
+        con.print(f"[bold]speculative[/bold] ({sp['method']}, k={sp['k']}, acceptance {sp['acceptance']:g}): TPOT "
+                  f"{sp['tpot_ms']:.2f} ms against {sp['decode_step_ms']:.2f} ms ({sp['speedup']:.2f}x; "
+                  f"{sp['tokens_per_step']:.2f} tokens a verify step of {sp['verify_step_ms']:.2f} ms + proposer "
+                  f"{sp['proposer_ms']:.2f} ms); best k {sp['best_k']} at {sp['best_tpot_ms']:.2f} ms")
     for note in j["notes"]:
         con.print(f"[yellow]note[/yellow]: {note}")
     ct = Table(title=f"top {min(top, len(j['candidates']))} of {len(j['candidates'])} candidates")

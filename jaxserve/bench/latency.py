@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxserve.bench.datasets import DatasetConfig, generate
 from jaxserve.bench.load import LoadConfig, run_engine
+from jaxserve.bench.results import spec_decode_metrics
 
 
 @dataclass
@@ -31,6 +32,8 @@ class LatencyPoint:
     decode_step_ms: float  # median inter-token gap
     e2e_ms: float  # the whole batch
     output_throughput: float
+    spec_acceptance_rate: float | None = None  # speculative decoding: accepted / proposed tokens
+    spec_acceptance_length: float | None = None  # tokens per verify step
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -51,11 +54,14 @@ def measure_point(engine, batch_size: int, input_len: int, output_len: int, *, s
     ttfts = [r.ttft for r in ok]
     tpots = [t for r in ok if (t := r.tpot) is not None]
     gaps = [g for r in ok for g in r.itl]
+    spec = spec_decode_metrics(ok)
     return LatencyPoint(batch_size=batch_size, input_len=input_len, output_len=output_len,
                         ttft_ms=1e3 * float(np.mean(ttfts)), prefill_ms=1e3 * max(ttfts),
                         tpot_ms=1e3 * float(np.mean(tpots)) if tpots else math.nan,
                         decode_step_ms=1e3 * float(np.median(gaps)) if gaps else math.nan,
-                        e2e_ms=1e3 * run.duration, output_throughput=sum(r.output_len for r in ok) / run.duration)
+                        e2e_ms=1e3 * run.duration, output_throughput=sum(r.output_len for r in ok) / run.duration,
+                        spec_acceptance_rate=spec.get("spec_decode_acceptance_rate"),
+                        spec_acceptance_length=spec.get("spec_decode_acceptance_length"))
 
 
 def run_grid(engine, batch_sizes: Sequence[int], input_lens: Sequence[int], output_len: int, *, seed: int = 0,

@@ -93,7 +93,9 @@ def _record_from_output(out, prompt_len: int, start: float, role: str) -> Reques
                          itl=[b - a for a, b in zip(times, times[1:], strict=False)],
                          latency=(times[-1] - m.arrival_time) if times else 0.0,
                          error="" if ok else f"finished with {out.finish_reason}",
-                         cached_tokens=out.num_cached_tokens, arrival=m.arrival_time - start, role=role)
+                         cached_tokens=out.num_cached_tokens, arrival=m.arrival_time - start, role=role,
+                         spec_steps=m.spec_num_steps, spec_draft_tokens=m.spec_num_draft_tokens,
+                         spec_accepted_tokens=m.spec_num_accepted_tokens)
 
 
 class _Gate:

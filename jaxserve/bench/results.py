@@ -33,6 +33,10 @@ class RequestRecord:
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache, when known
     arrival: float = 0.0  # seconds since the benchmark started
     role: str = "request"
+    # Speculative decoding (in-process runs): verify steps with drafts, tokens proposed, tokens accepted.
+    spec_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def tpot(self) -> float | None:
@@ -95,6 +99,7 @@ def compute_metrics(records: Sequence[RequestRecord], duration: float, slos: dic
         "prefix_cache_hit_rate": (sum(cached) / max(1, sum(r.prompt_len for r in ok if r.cached_tokens is not None))
                                   if cached else None),
     }
+    result.update(spec_decode_metrics(ok))
     series = {"ttft": [r.ttft for r in ok], "tpot": [t for r in ok if (t := r.tpot) is not None],
               "itl": [g for r in ok for g in r.itl], "e2el": [r.latency for r in ok]}
     for name in METRICS:
@@ -103,6 +108,19 @@ def compute_metrics(records: Sequence[RequestRecord], duration: float, slos: dic
                    "ttfts": [r.ttft for r in records], "itls": [r.itl for r in records],
                    "latencies": [r.latency for r in records], "errors": [r.error for r in records]})
     return result
+
+
+def spec_decode_metrics(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """vLLM's speculative-decoding keys (acceptance rate = accepted / draft tokens, acceptance length = 1 +
+    accepted per verify step); none when no request proposed."""
+    steps = sum(r.spec_steps for r in records)
+    drafts = sum(r.spec_draft_tokens for r in records)
+    if not drafts:
+        return {}
+    accepted = sum(r.spec_accepted_tokens for r in records)
+    return {"spec_decode_acceptance_rate": accepted / drafts, "spec_decode_acceptance_length": 1 + accepted / steps,
+            "spec_decode_num_drafts": steps, "spec_decode_draft_tokens": drafts,
+            "spec_decode_accepted_tokens": accepted}
 
 
 def format_summary(result: dict[str, Any], percentiles: Sequence[float] = (99,)) -> str:
@@ -136,6 +154,13 @@ def format_summary(result: dict[str, Any], percentiles: Sequence[float] = (99,))
         row(f"Median {short} (ms):", result[f"median_{name}_ms"], ".2f")
         for p in percentiles:
             row(f"P{p:g} {short} (ms):", result.get(f"p{p:g}_{name}_ms"), ".2f")
+    if result.get("spec_decode_draft_tokens"):
+        lines.append("{s:{c}^{n}}".format(s="Speculative Decoding", n=50, c="-"))
+        row("Acceptance rate (%):", 100 * result["spec_decode_acceptance_rate"], ".2f")
+        row("Acceptance length:", result["spec_decode_acceptance_length"], ".2f")
+        row("Drafts:", result["spec_decode_num_drafts"])
+        row("Draft tokens:", result["spec_decode_draft_tokens"])
+        row("Accepted tokens:", result["spec_decode_accepted_tokens"])
     lines.append("=" * 50)
     return "\n".join(lines)
 

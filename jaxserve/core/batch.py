@@ -45,8 +45,10 @@ class RaggedBatch:
     kv_lens: np.ndarray  # [S] int32, context length including this step's tokens
     page_table: np.ndarray  # [S, max_pages] int32, unused entries 0 (the trash page)
     slot_mapping: np.ndarray  # [T] int32
-    logits_indices: np.ndarray  # [S] int32, flat index of each sequence's last token
+    logits_indices: np.ndarray  # [R] int32, flat index of each sequence's last token (R = S), or of each of its
+    # 1 + num_drafts[s] last tokens when speculative decoding verifies drafts (R = S + sum(num_drafts))
     samples: np.ndarray  # [S] bool, whether the sequence draws a token this step
+    num_drafts: np.ndarray | None = None  # [S] int32, proposed tokens verified after the last real one
 
     @property
     def num_tokens(self) -> int:
@@ -64,7 +66,8 @@ class RaggedBatch:
 def build_ragged_batch(scheduled: list[tuple[Request, int]], num_decodes: int, page_size: int) -> RaggedBatch:
     """Lay out `(request, num_new_tokens)` pairs (decodes first) as flat arrays.
 
-    Each request must already hold pages for `num_computed_tokens + num_new_tokens` tokens.
+    Each request must already hold pages for `num_computed_tokens + num_new_tokens` tokens. Tokens past a
+    request's own are its `spec_token_ids` (a verify chunk: the last token and the drafts after it).
     """
     num_seqs = len(scheduled)
     q_lens = np.fromiter((n for _, n in scheduled), dtype=np.int32, count=num_seqs)
@@ -76,9 +79,11 @@ def build_ragged_batch(scheduled: list[tuple[Request, int]], num_decodes: int, p
         raise ValueError(f"request {req.request_id} holds {len(req.page_ids)} pages for {kv_lens[s]} tokens")
     cu = np.zeros(num_seqs + 1, dtype=np.int32)
     np.cumsum(q_lens, out=cu[1:])
+    own = np.fromiter((r.num_tokens for r, _ in scheduled), dtype=np.int32, count=num_seqs)
+    drafts = np.maximum(kv_lens - own, 0).astype(np.int32)
     tokens: list[int] = []
-    for (req, _), start, end in zip(scheduled, starts.tolist(), kv_lens.tolist(), strict=True):
-        tokens += _token_slice(req, start, end)
+    for (req, _), start, end, d in zip(scheduled, starts.tolist(), kv_lens.tolist(), drafts.tolist(), strict=True):
+        tokens += _token_slice(req, start, end - d) + req.spec_token_ids[:d]
     token_ids = np.array(tokens, dtype=np.int32)
     page_table = np.zeros((num_seqs, max(1, int(num_pages.max(initial=0)))), dtype=np.int32)
     page_table[np.arange(page_table.shape[1]) < num_pages[:, None]] = np.fromiter(
@@ -86,10 +91,14 @@ def build_ragged_batch(scheduled: list[tuple[Request, int]], num_decodes: int, p
     seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
     positions = (np.arange(int(cu[-1]), dtype=np.int32) - cu[seq_of_token] + starts[seq_of_token]).astype(np.int32)
     slot_mapping = page_table[seq_of_token, positions // page_size] * page_size + positions % page_size
-    samples = kv_lens == np.fromiter((r.num_tokens for r, _ in scheduled), dtype=np.int32, count=num_seqs)
+    logits = cu[1:] - 1
+    if drafts.any():
+        logits = np.concatenate([np.arange(e - d - 1, e) for e, d in zip(cu[1:].tolist(), drafts.tolist(),
+                                                                          strict=True)]).astype(np.int32)
     return RaggedBatch(requests=[r for r, _ in scheduled], num_decodes=num_decodes, token_ids=token_ids,
                        positions=positions, cu_q_lens=cu, kv_lens=kv_lens, page_table=page_table,
-                       slot_mapping=slot_mapping.astype(np.int32), logits_indices=cu[1:] - 1, samples=samples)
+                       slot_mapping=slot_mapping.astype(np.int32), logits_indices=logits,
+                       samples=kv_lens - drafts == own, num_drafts=drafts)
 
 
 def _token_slice(req: Request, start: int, end: int) -> list[int]:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from jaxserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 # `--attention-backend`: auto picks at start-up (jaxserve/model/attention/select.py); the others force one.
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas")
@@ -33,6 +36,8 @@ class EngineConfig:
     async_scheduling: bool = False
     # Decode steps per dispatch when every running request decodes (vLLM's --num-scheduler-steps).
     num_scheduler_steps: int = 1
+    # vLLM's --speculative-config (a JSON string or dict on the way in, a SpeculativeConfig after __post_init__).
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     # On a CPU in float32, attention and the matmuls of steps of up to 32 tokens run in jaxserve's C++ kernels
     # (model/cpu_kernels.py), built on first use; off, or where no compiler works, they stay in XLA.
     cpu_kernels: bool = True
@@ -84,6 +89,12 @@ class EngineConfig:
         if self.num_scheduler_steps > 1 and (self.async_scheduling or self.disaggregate or self.num_processes > 1):
             raise ValueError("num_scheduler_steps > 1 needs the synchronous loop of a colocated engine in one process "
                              "(not with async_scheduling, disaggregate or num_processes > 1)")
+        self.speculative_config = parse_speculative_config(self.speculative_config)
+        if self.speculative_config and (self.async_scheduling or self.num_scheduler_steps > 1 or self.disaggregate
+                                        or self.num_processes > 1):
+            raise ValueError("speculative_config runs the synchronous one-step loop of a colocated engine in one "
+                             "process (not with async_scheduling, num_scheduler_steps > 1, disaggregate or "
+                             "num_processes > 1)")
         if self.token_buckets and max(self.token_buckets) < self.max_num_batched_tokens:
             raise ValueError(f"the largest token bucket ({max(self.token_buckets)}) must hold a whole step "
                              f"(max_num_batched_tokens={self.max_num_batched_tokens})")

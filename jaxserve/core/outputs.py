@@ -16,6 +16,20 @@ class RequestMetrics:
     token_times: list[float] = field(default_factory=list)
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # Speculative decoding: steps that verified proposed tokens, tokens proposed, tokens accepted.
+    spec_num_steps: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / proposed tokens (vLLM's draft acceptance rate); None without proposals."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else None
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens a verify step emitted on average: 1 + accepted per step (vLLM's mean acceptance length)."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_steps if self.spec_num_steps else None
 
     @property
     def ttft(self) -> float | None:

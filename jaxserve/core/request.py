@@ -44,6 +44,11 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    # Speculative decoding: tokens proposed for the next step (verified after the last token), and totals so far.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_num_steps: int = 0  # steps that verified at least one proposed token
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

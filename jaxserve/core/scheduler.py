@@ -166,6 +166,7 @@ class Scheduler:
             n = self._num_new_tokens(req, budget)
             if n == 0:
                 continue
+            n += self._num_drafts(req, n, budget)
             while not self.kv.allocate(req, n):
                 victim = self.running[-1]
                 budget += self._preempt(victim, scheduled)
@@ -211,6 +212,18 @@ class Scheduler:
         req.num_computed_tokens = req.num_tokens
         req.output_token_ids.append(int(token_id))
         self.kv.cache_full_pages(req)
+
+    def _num_drafts(self, req: Request, n: int, budget: int) -> int:
+        """Proposed tokens (speculative decoding) a decode verifies beside its own: its `spec_token_ids` cut to the
+        budget and to pages that leave one free page per running request (speculation never preempts)."""
+        if not req.spec_token_ids or n != 1 or req.num_tokens_owed != 1:
+            return 0
+        k = min(len(req.spec_token_ids), budget - n)
+        spare = self.kv.num_free_pages - len(self.running)
+        while k > 0 and self.kv.pages_for(req.num_tokens + k) - len(req.page_ids) > spare:
+            k -= 1
+        del req.spec_token_ids[max(k, 0):]
+        return max(k, 0)
 
     def _out_of_length(self, req: Request) -> bool:
         return len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.config.max_model_len
@@ -280,6 +293,7 @@ class Scheduler:
         self.running.remove(victim)
         self.kv.free(victim)
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
         self.waiting.appendleft(victim)

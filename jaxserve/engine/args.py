@@ -60,6 +60,10 @@ _OPTIONS = [
     click.option("--num-scheduler-steps", default=EngineConfig.num_scheduler_steps, show_default=True,
                  type=click.IntRange(min=1),
                  help="Decode steps per dispatch while every running request decodes (stops checked on the device)."),
+    click.option("--speculative-config", default=None, metavar="JSON",
+                 help='Speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                      '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\' or \'{"method": "draft_model", '
+                      '"model": "tiny", "num_speculative_tokens": 4}\'.'),
     click.option("--cpu-kernels/--no-cpu-kernels", default=True, show_default=True,
                  help="On a CPU, float32: attention and the matmuls of up to 32 rows run in jaxserve's compiled C++ "
                       "kernels (off: XLA's own)."),
@@ -97,7 +101,7 @@ def engine_options(fn: Callable) -> Callable:
 ENGINE_OPTION_NAMES = ("model", "dtype", "seed", "max_num_seqs", "max_num_batched_tokens", "chunk_size",
                        "page_size", "kv_cache_memory", "gpu_memory_utilization", "max_model_len",
                        "enable_prefix_caching", "scheduling_policy", "async_scheduling", "num_scheduler_steps",
-                       "cpu_kernels", "attention_backend",
+                       "speculative_config", "cpu_kernels", "attention_backend",
                        "tensor_parallel_size", "disaggregate",
                        "prefill_devices", "decode_devices", "max_pending_transfers", "coordinator_address",
                        "num_processes", "process_id")

@@ -35,6 +35,7 @@ from jaxserve.runner.decode_run import DecodeRun, DecodeRunner, can_run_on_devic
 from jaxserve.runner.model_builder import build_model_and_cache
 from jaxserve.runner.model_runner import ModelRunner, StepResult, default_token_ladder, power_of_two_ladder
 from jaxserve.runner.sampler import SamplingArrays
+from jaxserve.spec_decode.step import SpeculativeDecoder, spec_k, spec_metrics
 from planner.model_spec import load_model_spec
 
 log = logging.getLogger("jaxserve")
@@ -82,7 +83,8 @@ class LLMEngine:
         self.runner = ModelRunner(built.model, built.kv_caches, page_size=config.page_size,
                                   max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
                                   token_buckets=token_buckets, seq_buckets=seq_buckets,
-                                  cpu_kernels=config.cpu_kernels, attention_backend=config.attention_backend)
+                                  cpu_kernels=config.cpu_kernels, attention_backend=config.attention_backend,
+                                  max_logits_rows=config.max_num_seqs * (1 + spec_k(config)))
         config.attention_backend = self.runner.attention.name  # what "auto" resolved to, for /version
         log.info("attention backend: %s (%s)", self.runner.attention.name, self.runner.attention)
         self.kv_manager = KVCacheManager(num_pages=self.num_pages, page_size=config.page_size,
@@ -100,10 +102,13 @@ class LLMEngine:
         self._flight: _Flight | None = None
         self.decode_runner = (DecodeRunner(self.runner, config.num_scheduler_steps)
                               if config.num_scheduler_steps > 1 else None)
+        self.spec_decoder = (SpeculativeDecoder(self, config.speculative_config, self.spec, self.num_pages)
+                             if config.speculative_config else None)
         if config.warmup:
             self.runner.warmup()
-            if self.decode_runner is not None:
-                self.decode_runner.warmup()
+            for extra in (self.decode_runner, self.spec_decoder):
+                if extra is not None:
+                    extra.warmup()
 
     # Submission ----------------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -122,6 +127,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize_prompt(prompt)
         max_tokens = self.resolve_max_tokens(len(ids), params)
+        if self.spec_decoder is not None:
+            self.spec_decoder.check(params)
         req = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
                       arrival_time=self.clock() if arrival_time is None else arrival_time,
                       eos_token_id=self._eos_token_id(), cache_salt=cache_salt, max_tokens=max_tokens)
@@ -163,6 +170,8 @@ class LLMEngine:
         """
         if self.config.async_scheduling:
             return self._step_async()
+        if self.spec_decoder is not None:  # speculative decoding: synchronous one-step dispatches
+            return self.spec_decoder.step(self.clock())
         start = self.clock()
         if self.decode_runner is not None and can_run_on_device(self.scheduler.running):
             run = self.scheduler.schedule_decode_run(self.decode_runner.k)
@@ -217,7 +226,8 @@ class LLMEngine:
 
     def compile_count(self) -> int:
         """Compiled variants of every step function so far (none after warm-up)."""
-        return self.runner.compile_count() + (self.decode_runner.compile_count() if self.decode_runner else 0)
+        extras = (self.decode_runner, self.spec_decoder)
+        return self.runner.compile_count() + sum(x.compile_count() for x in extras if x is not None)
 
     def _step_async(self) -> list[RequestOutput]:
         """Dispatch step k (its decodes read step k-1's tokens on the device), then collect step k-1.
@@ -337,7 +347,7 @@ class LLMEngine:
         metrics = RequestMetrics(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
                                  first_token_time=req.first_token_time, finish_time=req.finish_time,
                                  token_times=list(req.token_times), num_cached_tokens=cached,
-                                 num_preemptions=req.num_preemptions)
+                                 num_preemptions=req.num_preemptions, **spec_metrics(req))
         return RequestOutput(request_id=req.request_id, prompt=tracked.prompt,
                              prompt_token_ids=req.prompt_token_ids, outputs=[completion],
                              finished=status.finished, metrics=metrics, num_cached_tokens=cached)
@@ -357,4 +367,4 @@ class LLMEngine:
         """A snapshot of the engine's gauges and counters."""
         return {"num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
                 "kv_usage": self.kv_manager.usage(), "evicted_pages": self.kv_manager.num_evicted_pages,
-                **self.counters}
+                **self.counters, **(self.spec_decoder.stats() if self.spec_decoder else {})}

@@ -189,6 +189,16 @@ class KVCacheManager:
             self.tree.extend_lock(holding.node, result.node)
         holding.node, holding.num_tree_pages = result.node, num_full
 
+    def trim(self, req: Request) -> None:
+        """Free the private pages past `req.num_computed_tokens` (the KV of rejected speculative tokens)."""
+        holding = self._held.get(req.request_id)
+        if holding is None:
+            return
+        keep = max(self.pages_for(req.num_computed_tokens), holding.num_tree_pages)
+        if len(req.page_ids) > keep:
+            self.allocator.free(req.page_ids[keep:])
+            del req.page_ids[keep:]
+
     def free(self, req: Request) -> None:
         """Release everything `req` holds: computed full pages stay cached (unlocked), a partial last page's
         computed tokens become its path's tail, the rest is freed.

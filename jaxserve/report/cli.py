@@ -12,6 +12,7 @@ from jaxserve.output_paths import check_writable
 from jaxserve.report.context import ReportConfig, fmt
 from jaxserve.report.disagg import pools_option, provide_devices
 from jaxserve.report.run import run_report
+from jaxserve.spec_decode.config import parse_speculative_config
 
 
 @click.command("report")
@@ -30,9 +31,12 @@ from jaxserve.report.run import run_report
 @click.option("--disagg", default=None, metavar="P+D", callback=pools_option,
               help="Also serve a burst on P prefill + D decode devices (on CPU: P + D fake devices, at most "
                    "the cores) and compare each pool's capacity with the planner's.")
+@click.option("--speculative-config", default=None, metavar="JSON",
+              help="Also one request's TPOT with this speculative decoding (vLLM's JSON) against the planner's.")
 def report_command(model: str, dtype: str, profile: str | None, out_dir: str, quick: bool, seed: int,
                    batch_sizes: str | None, context_lens: str | None, long_prompt_len: int | None,
-                   load_num_prompts: int | None, disagg: tuple[int, int] | None) -> None:
+                   load_num_prompts: int | None, disagg: tuple[int, int] | None,
+                   speculative_config: str | None) -> None:
     """Measured vs predicted: calibrate, grid, two loads, chunked prefill (+ --disagg); DIR/report.*."""
     if disagg:  # before anything starts JAX: on CPU the devices are created with the backend
         try:
@@ -41,7 +45,12 @@ def report_command(model: str, dtype: str, profile: str | None, out_dir: str, qu
             raise click.UsageError(str(e)) from None
     check_writable(out_dir, is_dir=True)
     cfg = ReportConfig.quick_config(model) if quick else ReportConfig(model=model)
-    cfg = replace(cfg, dtype=dtype, seed=seed, disagg=disagg)
+    cfg = replace(cfg, dtype=dtype, seed=seed, disagg=disagg, speculative=speculative_config)
+    if speculative_config:
+        try:
+            parse_speculative_config(speculative_config)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
     try:
         if batch_sizes:
             cfg = replace(cfg, batch_sizes=tuple(int(v) for v in batch_sizes.split(",")))

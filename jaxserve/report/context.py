@@ -44,13 +44,18 @@ class ReportConfig:
     disagg_output_len: int = 32
     disagg_num_prompts: int = 48
     disagg_max_num_seqs: int = 16
+    speculative: str | None = None  # a --speculative-config JSON: run the speculative row (report/speculative.py)
+    spec_prompt_len: int = 128
+    spec_output_len: int = 64
+    spec_repeats: int = 3
 
     @classmethod
     def quick_config(cls, model: str = "tiny") -> ReportConfig:
         return cls(model=model, max_num_seqs=8, batch_sizes=(1, 4), context_lens=(16, 64), grid_output_len=4,
                    load_input_len=32, load_output_len=4, load_num_prompts=6, long_prompt_len=128, long_decodes=2,
                    long_decode_input=16, long_tail_tokens=4, disagg_input_len=32, disagg_output_len=4,
-                   disagg_num_prompts=6, disagg_max_num_seqs=4, quick=True)
+                   disagg_num_prompts=6, disagg_max_num_seqs=4, spec_prompt_len=32, spec_output_len=16, spec_repeats=1,
+                   quick=True)
 
     @property
     def budget(self) -> int:

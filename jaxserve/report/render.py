@@ -8,6 +8,7 @@ from typing import Any
 from jaxserve.report.context import fmt, fmt_pct
 from jaxserve.report.disagg import markdown as disagg_markdown
 from jaxserve.report.probe import drift_note, probe_markdown
+from jaxserve.report.speculative import markdown as speculative_markdown
 
 
 def write_markdown(report: dict[str, Any], path: str | Path) -> None:
@@ -93,7 +94,7 @@ def write_markdown(report: dict[str, Any], path: str | Path) -> None:
                          f"{fmt(r['predicted_max_itl_ms'])} | {fmt(r['measured_max_itl_ms'])} | "
                          f"{fmt(r['predicted_ttft_ms'])} | {fmt(r['measured_ttft_ms'])} |")
 
-    lines += [""] + disagg_markdown(report) + probe_markdown(report)
+    lines += [""] + disagg_markdown(report) + speculative_markdown(report) + probe_markdown(report)
     lines += ["Errors are (predicted - measured) / measured. Grid predictions: the planner's discrete-event "
               "simulator of the same static batch; loads: the simulator on the engine's own arrival trace (a short run "
               "from an empty engine is a transient), the closed form's steady state beside it.", ""]

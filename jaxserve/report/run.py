@@ -29,6 +29,7 @@ from jaxserve.report.grid import run_grid
 from jaxserve.report.loads import run_loads
 from jaxserve.report.probe import drift, drift_note, probe
 from jaxserve.report.render import write_markdown, write_plot
+from jaxserve.report.speculative import run_speculative
 from jaxserve.report.summary import check_context, summarize
 from planner.hardware import load_hardware
 
@@ -60,7 +61,9 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
     rows: list[dict[str, Any]] = []
     probes = [probe(ctx, "before the grid")]
     parts = [("grid", run_grid), ("loads", run_loads), ("chunked prefill", run_chunked)]
-    for name, part in parts + ([("disaggregated pools", run_disagg)] if cfg.disagg else []):
+    parts += [("disaggregated pools", run_disagg)] if cfg.disagg else []
+    parts += [("speculative decoding", run_speculative)] if cfg.speculative else []
+    for name, part in parts:
         rows += part(ctx)
         probes.append(probe(ctx, f"after the {name}"))
         (out / "report.partial.json").write_text(json.dumps(finite({"rows": rows}), indent=2) + "\n")

@@ -105,14 +105,14 @@ class ModelRunner:
     def __init__(self, model: nnx.Module, kv_caches, *, page_size: int, max_model_len: int, max_num_seqs: int,
                  token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...],
                  cpu_kernels: bool = True, attention_backend: str = "auto",
-                 kernel_plan: KernelPlan | None = None) -> None:
+                 kernel_plan: KernelPlan | None = None, max_logits_rows: int = 0) -> None:
         self.graphdef, self.params = nnx.split(model)
         # The jitted calls take the parameters as a flat list: the nnx State flattens in Python on every call (two
         # calls a step), a list of arrays in C++ (docs/tuning.md).
         self.param_leaves, self._param_tree = jax.tree.flatten(self.params)
         self.kv_caches = kv_caches
         self.page_size = page_size
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs, self.max_logits_rows = max_num_seqs, max(max_logits_rows, max_num_seqs)  # + verify rows
         self.pages_per_seq = math.ceil(max_model_len / page_size)
         self.token_buckets = token_buckets
         self.seq_buckets = seq_buckets
@@ -208,13 +208,13 @@ class ModelRunner:
         """
         t, s = batch.num_tokens, batch.num_seqs
         n_seq, n_page = self.max_num_seqs, self.pages_per_seq
-        packed = np.zeros(3 * num_tokens + 3 * n_seq + 3 + n_seq * n_page, np.int32)
+        packed = np.zeros(3 * num_tokens + 2 * n_seq + self.max_logits_rows + 3 + n_seq * n_page, np.int32)
         tok, pos, slots, idx, cu, kv_lens, counts, table = np.split(packed, self._split_points(num_tokens))
         tok[:t] = batch.token_ids
         pos[:t] = batch.positions
         slots[:] = np.arange(num_tokens, dtype=np.int32) % self.page_size  # padded tokens: trash page 0
         slots[:t] = batch.slot_mapping
-        idx[:s] = batch.logits_indices
+        idx[: len(batch.logits_indices)] = batch.logits_indices
         cu[:] = t
         cu[: s + 1] = batch.cu_q_lens
         kv_lens[:s] = batch.kv_lens
@@ -225,12 +225,12 @@ class ModelRunner:
     def _split_points(self, num_tokens: int) -> list[int]:
         """Where the packed layout's eight parts start (after the first), for `num_tokens` padded tokens."""
         t, n_seq = num_tokens, self.max_num_seqs
-        return np.cumsum([t, t, t, n_seq, n_seq + 1, n_seq, 2]).tolist()
+        return np.cumsum([t, t, t, self.max_logits_rows, n_seq + 1, n_seq, 2]).tolist()
 
     def _unpack(self, packed: jax.Array) -> tuple[jax.Array, jax.Array, AttentionMetadata, jax.Array]:
         """(token ids, positions, metadata, logits indices) from `_device_inputs`' packed array."""
         n_seq, n_page = self.max_num_seqs, self.pages_per_seq
-        t = (packed.shape[0] - 3 * n_seq - 3 - n_seq * n_page) // 3
+        t = (packed.shape[0] - 2 * n_seq - self.max_logits_rows - 3 - n_seq * n_page) // 3
         tok, pos, slots, idx, cu, kv_lens, counts, table = jnp.split(packed, self._split_points(t))
         meta = AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=kv_lens,
                                  page_table=table.reshape(n_seq, n_page), num_seqs=counts[0], num_decodes=counts[1])

@@ -60,6 +60,18 @@ class _EngineStateCollector(Collector):
                          ("kv_transfer_bytes", "KV bytes moved to the decode pool.", "kv_transfer_bytes"),
                          ("kv_transfer_seconds", "Seconds spent moving KV to the decode pool.",
                           "kv_transfer_seconds")]
+        if "spec_decode_num_drafts" in s:  # speculative decoding (vLLM's spec_decode_* names)
+            counters += [("spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_decode_num_drafts"),
+                         ("spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_decode_num_draft_tokens"),
+                         ("spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                          "spec_decode_num_accepted_tokens")]
+            per_pos = CounterMetricFamily(P + "spec_decode_num_accepted_tokens_per_pos",
+                                          "Accepted tokens per draft position.", labels=["model_name", "position"])
+            pos = 0
+            while f"spec_decode_num_accepted_tokens_pos{pos}" in s:
+                per_pos.add_metric([self.model_name, str(pos)], float(s[f"spec_decode_num_accepted_tokens_pos{pos}"]))
+                pos += 1
+            yield per_pos
         for name, doc, key in counters:
             c = CounterMetricFamily(P + name, doc, labels=["model_name"])
             c.add_metric(label, float(s.get(key, 0)))

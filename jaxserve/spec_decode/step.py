@@ -1,0 +1,177 @@
+"""One engine step with speculative decoding: propose, schedule, verify in the ragged step, keep what was accepted.
+
+Every decoding request with room proposes up to k tokens (`spec_token_ids`); the scheduler gives it 1 + drafts
+query rows (cut to the step's token budget and the free pages) beside the other sequences' decodes and prefill
+chunks; the target runs the whole batch in one forward and the rejection sampler checks every row; each request
+keeps its accepted drafts and one token of its own. The KV of rejected rows is rolled back: the request's computed
+length ends after its last accepted token, its pages past that are freed, and the prefix cache, which only ever
+inserts computed pages, never sees a rejected token.
+
+Steps run synchronously, one dispatch at a time: the engine config refuses speculation together with
+`async_scheduling` or `num_scheduler_steps` > 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jaxserve.core.batch import RaggedBatch
+from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.request import RequestStatus
+from jaxserve.runner.model_runner import StepResult
+from jaxserve.spec_decode.config import SpeculativeConfig
+from jaxserve.spec_decode.draft import DraftProposer
+from jaxserve.spec_decode.ngram import NgramProposer, draft_room
+from jaxserve.spec_decode.verify import Verifier
+
+
+@dataclass
+class SpecCounters:
+    """vLLM's spec-decode counters over the engine's life."""
+
+    num_drafts: int = 0  # verify rows groups: sequences x steps that verified at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [k]: drafts accepted at each position
+
+    def as_stats(self) -> dict[str, float]:
+        out = {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": self.num_draft_tokens,
+               "spec_decode_num_accepted_tokens": self.num_accepted_tokens}
+        out.update({f"spec_decode_num_accepted_tokens_pos{i}": n for i, n in enumerate(self.accepted_per_pos)})
+        return out
+
+
+def spec_k(config) -> int:
+    """Drafts a sequence may verify per step under an EngineConfig (0 without speculation)."""
+    return config.speculative_config.num_speculative_tokens if config.speculative_config else 0
+
+
+def spec_metrics(req) -> dict[str, int]:
+    """A request's speculative totals, as `RequestMetrics` fields."""
+    return {"spec_num_steps": req.spec_num_steps, "spec_num_draft_tokens": req.spec_num_draft_tokens,
+            "spec_num_accepted_tokens": req.spec_num_accepted_tokens}
+
+
+class SpeculativeDecoder:
+    """The engine's speculative step: owns the proposer and the verifier; uses the engine's scheduler and outputs."""
+
+    def __init__(self, engine, config: SpeculativeConfig, target_spec, num_pages: int) -> None:
+        self.engine, self.config = engine, config
+        k = self.k = config.num_speculative_tokens
+        tp = engine.config.tensor_parallel_size
+        if config.draft_tensor_parallel_size not in (None, tp):
+            raise ValueError(f"speculative_config: the draft runs on the target's devices "
+                             f"(draft_tensor_parallel_size must be {tp}, got {config.draft_tensor_parallel_size})")
+        self.ngram = (NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
+                      if config.method == "ngram" else None)
+        self.draft = (DraftProposer(engine.config, config.model, k, engine.runner, target_spec, num_pages,
+                                    engine.max_model_len) if config.method == "draft_model" else None)
+        self.verifier = Verifier(engine.runner, k, point_mass=self.ngram is not None,
+                                 vocab_size=target_spec.vocab_size)
+        self.counters = SpecCounters(accepted_per_pos=[0] * k)
+
+    @staticmethod
+    def check(params) -> None:
+        """ValueError for what the verify step does not apply: logits processing (penalties, bias, bans, grammars)
+        and prompt logprobs."""
+        if getattr(params, "needs_processing", False):  # runner/logits_processing.py's features
+            raise ValueError("penalties, logit_bias, min_tokens, bad_words and structured outputs are not supported "
+                             "with speculative decoding")
+        if getattr(params, "prompt_logprobs", None) is not None:
+            raise ValueError("prompt_logprobs is not supported with speculative decoding")
+
+    def warmup(self) -> None:
+        self.verifier.warmup()
+        if self.draft is not None:
+            self.draft.warmup()
+
+    def compile_count(self) -> int:
+        return self.verifier.compile_count() + (self.draft.compile_count() if self.draft is not None else 0)
+
+    def stats(self) -> dict[str, float]:
+        return self.counters.as_stats()
+
+    def step(self, start: float) -> list[RequestOutput]:
+        """One synchronous step (the engine's `step()` with speculation configured)."""
+        eng = self.engine
+        sched = eng.scheduler
+        if self.ngram is not None:
+            self.ngram.prepare(sched.running, eng.max_model_len)
+        else:  # placeholders: the draft fills them once the scheduler has cut their number and given them pages
+            for req in sched.running:
+                req.spec_token_ids = [0] * draft_room(req, self.k, eng.max_model_len)
+        batch = sched.schedule()  # a request left out keeps stale proposals, replaced before its next schedule
+        if batch is None:
+            return []
+        now = eng.clock()
+        seeds = []
+        for req in batch.requests:
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            seeds.append(eng._tracked[req.request_id].seed)
+        compiles = eng.compile_count()
+        q_flat, q_index = None, np.zeros(len(batch.logits_indices), np.int32)
+        if self.draft is not None:
+            q_flat, q_index = self.draft.propose(batch, seeds, set(sched.requests))
+        rows, drafts = [], []
+        for s, req in enumerate(batch.requests):
+            n = int(batch.num_drafts[s])
+            rows += [(req.sampling_params, seeds[s], len(req.output_token_ids) + j) for j in range(n + 1)]
+            drafts += req.spec_token_ids[:n] + [-1]
+        sampling, d, qi = self.verifier.rows(batch, rows, np.array(drafts, np.int32), q_index)
+        result = self.verifier.execute(batch, sampling, d, qi, q_flat)
+        compiled = eng.compile_count() > compiles
+        outputs = self._commit(batch, result)
+        eng._record_step(batch, start, compiled)
+        return outputs
+
+    def _commit(self, batch: RaggedBatch, result) -> list[RequestOutput]:
+        """Keep each request's accepted drafts and its own token, stop checks after each; roll back the rest."""
+        eng = self.engine
+        sched, kv = eng.scheduler, eng.kv_manager
+        now = eng.clock()
+        per_token = StepResult(result.tokens, result.logprobs, result.top_ids, result.top_logprobs)
+        outputs = []
+        row = 0
+        for s, req in enumerate(batch.requests):
+            n = int(batch.num_drafts[s])
+            first, row = row, row + n + 1
+            req.spec_token_ids = []
+            if req.status != RequestStatus.RUNNING:
+                continue
+            if not batch.samples[s]:  # a prefill chunk that does not finish its prompt
+                req.num_computed_tokens = int(batch.kv_lens[s])
+                kv.cache_full_pages(req)
+                continue
+            accepted = int(np.argmin(np.append(result.accepted[first: first + n], False)))
+            start = req.num_computed_tokens
+            self._count(n, accepted)
+            if self.draft is not None:
+                self.draft.after_verify(req.request_id, start, n, accepted)
+            tracked = eng._tracked[req.request_id]
+            req.spec_num_steps += int(n > 0)
+            req.spec_num_draft_tokens += n
+            req.spec_num_accepted_tokens += accepted
+            for j in range(accepted + 1):
+                sched.record_token(req, int(result.tokens[first + j]))
+                try:
+                    out = eng._postprocess(tracked, per_token, first + j, now)
+                except Exception as e:  # one request's failure (e.g. detokenizing) must not stop the others
+                    out = eng._fail(tracked, f"internal error: {type(e).__name__}: {e}")
+                if out.finished:
+                    break
+            else:
+                kv.trim(req)
+            outputs.append(out)
+        return outputs
+
+    def _count(self, n: int, accepted: int) -> None:
+        c = self.counters
+        if n:
+            c.num_drafts += 1
+            c.num_draft_tokens += n
+            c.num_accepted_tokens += accepted
+            for i in range(accepted):
+                c.accepted_per_pos[i] += 1

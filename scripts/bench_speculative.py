@@ -1,0 +1,123 @@
+"""One request's TPOT with speculative decoding against without, alternating in one process.
+
+Three engines of the same target: plain, n-gram lookup, and a draft model (when --draft-model names one). Two
+prompts: a passage the answer copies (n-gram's case: with a trained model, "repeat the passage"; with a synthetic
+one, a repeated phrase) and an ordinary one (the draft model's case). Each round runs every (engine, prompt) pair
+once, greedy, --output-len tokens; the figures are medians over --rounds rounds after one warm round. Beside each
+TPOT: the acceptance rate, the tokens per verify step, and the planner's TPOT for the measured acceptance and its
+choice of k (`planner.speculative`, on --profile, a calibrated hardware profile, when given).
+
+    python scripts/bench_speculative.py --model bard --draft-model bard-draft --k 4 --profile P --out reports/spec.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jaxserve.core.engine_config import EngineConfig  # noqa: E402
+from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
+from jaxserve.engine.factory import create_engine  # noqa: E402
+from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
+from planner.hardware import load_hardware  # noqa: E402
+from planner.model_spec import load_model_spec  # noqa: E402
+from planner.speculative import acceptance_from_tokens_per_step, choose_k, predict_speculative  # noqa: E402
+
+PASSAGE = ("The lighthouse keeper climbed the spiral stairs at dusk, lit the great lamp, and wrote in his log that "
+           "the sea was calm, the wind came from the west, and three fishing boats had returned before dark. ")
+
+
+def prompts(engine: LLMEngine, prompt_len: int) -> dict[str, list[int]]:
+    """The copy task and an ordinary prompt, as token ids of about `prompt_len` tokens."""
+    if engine.spec.synthetic:  # no language: a repeated phrase stands for the passage the answer copies
+        phrase = list(range(7, 31))
+        copy = (phrase * (prompt_len // len(phrase) + 1))[:prompt_len]
+        plain = [(i * 37 + 11) % 250 for i in range(prompt_len)]
+        return {"copy": copy, "plain": plain}
+    tok = engine.tokenizer
+    passage = PASSAGE * max(1, prompt_len // max(1, len(tok.encode(PASSAGE))))
+    return {"copy": engine.tokenize_prompt(f"{passage}\nRepeat the passage above exactly.\n\n{passage[:40]}"),
+            "plain": engine.tokenize_prompt("Once upon a time, in a small village by the sea,")}
+
+
+def one(engine: LLMEngine, ids: list[int], n: int, rid: str) -> dict:
+    engine.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    out = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o if o.finished else out
+    m = out.metrics
+    return {"tpot_ms": 1e3 * m.tpot, "drafts": m.spec_num_draft_tokens, "accepted": m.spec_num_accepted_tokens,
+            "verify_steps": m.spec_num_steps, "tokens": len(out.token_ids)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--draft-model", default=None)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--prompt-lookup-max", type=int, default=4)
+    ap.add_argument("--prompt-lookup-min", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--profile", default=None, help="hardware profile for the planner (jaxserve calibrate)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    base = dict(model=a.model, max_num_seqs=4, max_num_batched_tokens=512, chunk_size=512)
+    methods = {"plain": None, "ngram": {"method": "ngram", "num_speculative_tokens": a.k,
+                                        "prompt_lookup_max": a.prompt_lookup_max,
+                                        "prompt_lookup_min": a.prompt_lookup_min}}
+    if a.draft_model:
+        methods["draft_model"] = {"method": "draft_model", "model": a.draft_model, "num_speculative_tokens": a.k}
+    t0 = time.monotonic()
+    engines = {name: create_engine(EngineConfig(**base, speculative_config=sc)) for name, sc in methods.items()}
+    print(f"engines ready in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    tasks = prompts(engines["plain"], a.prompt_len)
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for r in range(a.rounds + 1):
+        for name, engine in engines.items():
+            for task, ids in tasks.items():
+                engine.kv_manager.reset_prefix_cache()
+                res = one(engine, ids, a.output_len, f"{name}-{task}-{r}")
+                if r:
+                    runs.setdefault((name, task), []).append(res)
+    hw = load_hardware(a.profile) if a.profile else None
+    spec = engines["plain"].spec
+    draft = load_model_spec(a.draft_model) if a.draft_model else None
+    rows = []
+    for (name, task), rs in runs.items():
+        tpot = statistics.median(x["tpot_ms"] for x in rs)
+        plain = statistics.median(x["tpot_ms"] for x in runs[("plain", task)])
+        drafts, acc, steps = (sum(x[k] for x in rs) for k in ("drafts", "accepted", "verify_steps"))
+        row = {"method": name, "task": task, "tpot_ms": tpot, "tpot_runs_ms": [x["tpot_ms"] for x in rs],
+               "plain_tpot_ms": plain, "speedup": plain / tpot,
+               "acceptance_rate": acc / drafts if drafts else None,
+               "tokens_per_verify_step": 1 + acc / steps if steps else None}
+        if hw is not None and name != "plain" and steps:
+            e = 1 + acc / steps
+            alpha = acceptance_from_tokens_per_step(min(e, a.k + 1), a.k)
+            kw = dict(method=name, draft=draft, context_len=a.prompt_len + a.output_len / 2, dtype="fp32",
+                      token_buckets=engines[name].runner.token_buckets)
+            pred = predict_speculative(spec, hw, k=a.k, acceptance=alpha, **kw)
+            row.update(acceptance_per_draft=alpha, planner_tpot_ms=pred.tpot_s * 1e3,
+                       planner_plain_tpot_ms=pred.decode_step_s * 1e3, planner_best_k=choose_k(
+                           spec, hw, acceptance=alpha, **kw).k)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    result = {"model": a.model, "draft_model": a.draft_model, "k": a.k, "prompt_len": a.prompt_len,
+              "output_len": a.output_len, "rounds": a.rounds, "profile": a.profile, "rows": rows,
+              "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

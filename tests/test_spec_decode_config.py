@@ -1,0 +1,65 @@
+"""`--speculative-config`: vLLM's JSON, one dataclass, one-line errors (exit 2 on the command line)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from jaxserve.core.engine_config import EngineConfig
+from jaxserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
+from jaxserve.spec_decode.ngram import ngram_propose
+
+
+def test_ngram_config_as_vllm_spells_it():
+    cfg = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                                   '"prompt_lookup_min": 1}')
+    assert cfg == SpeculativeConfig("ngram", 4, prompt_lookup_max=4, prompt_lookup_min=1)
+    assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2}).prompt_lookup_min == 5
+    assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2,
+                                     "prompt_lookup_max": 3}).prompt_lookup_min == 3
+
+
+def test_draft_model_config_and_the_engine_config_holds_it():
+    cfg = EngineConfig(speculative_config={"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3})
+    assert cfg.speculative_config == SpeculativeConfig("draft_model", 3, model="tiny")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{", "not valid JSON"),
+    ("[1]", "must be a JSON object"),
+    ('{"method": "medusa", "num_speculative_tokens": 2}', "method must be one of"),
+    ('{"method": "ngram"}', "needs \"num_speculative_tokens\""),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}', "unknown field(s) lookahead"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
+     "exceeds prompt_lookup_max"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs \"model\""),
+])
+def test_bad_configs_are_one_line_errors(text, message):
+    with pytest.raises(ValueError) as e:
+        parse_speculative_config(text)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_speculation_refuses_the_asynchronous_loops():
+    with pytest.raises(ValueError, match="synchronous one-step loop"):
+        EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}, async_scheduling=True)
+    with pytest.raises(ValueError, match="synchronous one-step loop"):
+        EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}, num_scheduler_steps=4)
+
+
+@pytest.mark.parametrize("value", ["{oops", '{"method": "ngram", "num_speculative_tokens": 2, "x": 1}'])
+def test_the_flag_exits_2_with_one_line(value):
+    r = subprocess.run([sys.executable, "-m", "jaxserve", "generate", "--model", "tiny", "--prompt", "hi",
+                        "--speculative-config", value], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: speculative_config"), r.stderr
+
+
+def test_ngram_lookup_proposes_what_followed_the_longest_match():
+    assert ngram_propose([1, 2, 3, 4, 5, 1, 2, 3], 3, 1, 4) == [4, 5, 1]  # "1 2 3" matched: 4 5 1 followed it
+    assert ngram_propose([7, 1, 2, 9, 8, 1, 2], 2, 1, 4) == [9, 8]
+    assert ngram_propose([5, 6, 1, 7, 2, 1], 4, 1, 4) == [7, 2, 1]  # only "1" matches; at most what follows
+    assert ngram_propose([1, 2, 3], 3, 1, 4) == []
+    assert ngram_propose([4, 1, 9, 1, 8, 1], 1, 1, 1) == [8]  # the most recent earlier occurrence
+    assert ngram_propose([1, 2, 3, 1], 3, 2, 4) == []  # shorter than prompt_lookup_min
