@@ -163,7 +163,7 @@ def test_a_chunked_upload_is_cut_at_the_limit(url: str) -> None:
 
 def test_ten_megabyte_fields_come_back_as_short_errors(roomy: str) -> None:
     big = "m" * (10 * 2**20)
-    cases = [({"prompt": "ab", "model": big}, 404), ({"prompt": "ab", big: 1}, 400),
+    cases = [({"prompt": "ab", "model": big}, 404), ({"prompt": "ab", big: 1, "n": "x"}, 400),
              ({"prompt": "ab", "logit_bias": {str(i): 1.0 for i in range(100_000)}}, 400),
              ({"prompt": "ab", "stop": big}, 400), ({"prompt": "ab", "user": 5, "suffix": big}, 400),
              ({"prompt": big}, 400), ({"prompt": "ab", "temperature": big}, 400),

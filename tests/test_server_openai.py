@@ -139,10 +139,40 @@ def test_logprobs(client) -> None:
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
 
 
+def test_top_logprobs_never_collapse_and_keep_exact_bytes(client) -> None:
+    r = client.completions.create(model="tiny", prompt="caf\u00e9 \u2014 na\u00efve", max_tokens=6, logprobs=20,
+                                  **GREEDY)
+    assert all(len(top) == 20 for top in r.choices[0].logprobs.top_logprobs)  # byte tokens have distinct keys
+    c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       logprobs=True, top_logprobs=20, **GREEDY)
+    for tok in c.choices[0].logprobs.content:
+        assert len({t.token for t in tok.top_logprobs}) == 20
+        for t in tok.top_logprobs:
+            if len(t.bytes) == 1 and t.bytes[0] >= 0x80:  # part of a character: its byte, OpenAI's form
+                assert t.token == f"bytes:\\x{t.bytes[0]:02x}"
+            elif not t.bytes:
+                assert t.token.startswith("token_id:")  # an unused id of tiny's vocabulary
+
+
+def test_penalties_bias_and_min_tokens_through_the_api(client) -> None:
+    forced = client.completions.create(model="tiny", prompt="abc", max_tokens=5, logit_bias={"120": 100},
+                                       **GREEDY)
+    assert forced.choices[0].text == "xxxxx"
+    free = client.completions.create(model="tiny", prompt="abc", max_tokens=16, **GREEDY).choices[0].text
+    penalized = client.completions.create(model="tiny", prompt="abc", max_tokens=16, frequency_penalty=2.0,
+                                          presence_penalty=2.0, **GREEDY).choices[0].text
+    assert len(set(penalized)) > len(set(free))
+    r = client.completions.create(model="tiny", prompt="abc", max_tokens=8, temperature=0,
+                                  extra_body={"min_tokens": 8, "bad_words": ["x"], "logit_bias": {"120": 50},
+                                              "repetition_penalty": 1.2})
+    assert r.usage.completion_tokens == 8 and "x" not in r.choices[0].text
+
+
 @pytest.mark.parametrize("body, status, param", [
     (b'{"prompt": "hi", "max_tokens": ', 400, None),
     (b'["not", "an", "object"]', 400, None),
     (b'{"prompt": "hi", "max_tokens": "5"}', 400, "max_tokens"),
+    (b'{"prompt": "hi", "max_tokens": 5.5}', 400, "max_tokens"),
     (b'{"prompt": "hi", "temperature": "hot"}', 400, "temperature"),
     (b'{"prompt": 12}', 400, "prompt"),
     (b'{"max_tokens": 5}', 400, "prompt"),
@@ -152,14 +182,15 @@ def test_logprobs(client) -> None:
     (b'{"prompt": "hi", "top_p": 0}', 400, "top_p"),
     (b'{"prompt": "hi", "n": 0}', 400, "n"),
     (b'{"prompt": "hi", "best_of": 4}', 400, "best_of"),
-    (b'{"prompt": "hi", "frequency_penalty": 0.5}', 400, "frequency_penalty"),
-    (b'{"prompt": "hi", "mystery_knob": 1}', 400, "mystery_knob"),
+    (b'{"prompt": "hi", "frequency_penalty": 2.5}', 400, "frequency_penalty"),
+    (b'{"prompt": "hi", "repetition_penalty": 0}', 400, "repetition_penalty"),
+    (b'{"prompt": "hi", "logit_bias": {"abc": 1}}', 400, "logit_bias"),
+    (b'{"prompt": "hi", "logit_bias": {"600": 1}}', 400, "logit_bias"),
+    (b'{"prompt": "hi", "min_tokens": 9, "max_tokens": 3}', 400, "min_tokens"),
     (b'{"prompt": [1, 2, 100000]}', 400, "prompt"),
     (b'{"prompt": []}', 400, "prompt"),
     (b'{"prompt": "hi", "temperature": NaN}', 400, None),
     (b'{"prompt": "hi", "logprobs": 21}', 400, "logprobs"),
-    (b'{"prompt": "hi", "stream": true, "stream_options": {"continuous_usage_stats": true}}', 400,
-     "stream_options.continuous_usage_stats"),
     (b'{"prompt": "hi", "model": "gpt-4"}', 404, "model"),
     # Values that would once have been cut or reached the engine's int32 arrays (and killed its loop):
     (b'{"prompt": "hi", "seed": 4294967296}', 400, "seed"),
@@ -181,8 +212,9 @@ def test_bad_chat_requests(server) -> None:
     url = f"{server.url}/v1/chat/completions"
     for body, param in [({"messages": []}, "messages"), ({"messages": [{"role": "user"}], "top_logprobs": 2},
                                                          "top_logprobs"),
-                        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
-                        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+                        ({"messages": [{"role": "narrator", "content": "x"}]}, "messages[0].role"),
+                        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+                         "tools[0]"),
                         ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream")]:
         r = httpx.post(url, json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from jaxserve.core.sampling_params import SamplingParams
 
@@ -44,6 +45,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    grammar: Any = None  # structured outputs: its matcher (jaxserve/structured/grammar.py), fed the output ids
     # Speculative decoding: tokens proposed for the next step (verified after the last token), and totals so far.
     spec_token_ids: list[int] = field(default_factory=list)
     spec_num_steps: int = 0  # steps that verified at least one proposed token

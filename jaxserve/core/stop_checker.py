@@ -60,7 +60,7 @@ class StopChecker:
         p = self.params
         new = self._held + self._new_text(ids, len(ids), final=at_length)
         self._held = ""
-        if p.stop:
+        if p.stop and len(ids) >= p.min_tokens:  # vLLM: stop strings wait for min_tokens too
             keep = self._max_stop_len - 1
             shown = self.text[max(0, len(self.text) - keep) :]  # a stop string may begin in the shown tail
             window = shown + new

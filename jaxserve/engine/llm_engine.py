@@ -32,6 +32,7 @@ from jaxserve.core.tokenizer import load_tokenizer
 from jaxserve.core.validation import encode_prompt, resolve_max_tokens
 from jaxserve.kv.cache_manager import KVCacheManager
 from jaxserve.runner.decode_run import DecodeRun, DecodeRunner, can_run_on_device
+from jaxserve.runner.logits_processing import prepare_request
 from jaxserve.runner.model_builder import build_model_and_cache
 from jaxserve.runner.model_runner import ModelRunner, StepResult, default_token_ladder, power_of_two_ladder
 from jaxserve.runner.sampler import SamplingArrays
@@ -132,6 +133,7 @@ class LLMEngine:
         req = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
                       arrival_time=self.clock() if arrival_time is None else arrival_time,
                       eos_token_id=self._eos_token_id(), cache_salt=cache_salt, max_tokens=max_tokens)
+        prepare_request(req, self.tokenizer, self.spec.vocab_size, multi_host=self.runner.step_hook is not None)
         self.scheduler.add_request(req)
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**32))
         self._tracked[request_id] = _Tracked(
@@ -241,6 +243,8 @@ class LLMEngine:
             return self._collect_flight(prev) if prev is not None else []
         sampling = self._sampling_for(batch, self.runner)  # before any collect finishes a request of `batch`
         overlap = self.runner.platform != "cpu" or batch.num_tokens <= CPU_OVERLAP_MAX_TOKENS
+        # Logits processing (penalties, bans) reads each row's newest token: the step waits for the one before.
+        overlap = overlap and not any(r.sampling_params.needs_processing for r in batch.requests)
         if prev is not None and not overlap:
             outputs = self._collect_flight(prev)
         compiles = self.runner.compile_count()

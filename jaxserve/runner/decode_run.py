@@ -63,9 +63,10 @@ class DecodeRun:
 
 def can_run_on_device(requests: list[Request]) -> bool:
     """Whether these requests can decode several steps a dispatch: few enough stop ids for the device's check,
-    and no logprobs asked for (a decode run returns only the drawn tokens' own)."""
+    no logprobs asked for (a decode run returns only the drawn tokens' own), and no logits processing (penalties,
+    bias and bans need each step's tokens on the host)."""
     return all(len(r.sampling_params.stop_token_ids) <= MAX_DEVICE_STOP_IDS and r.sampling_params.logprobs is None
-               for r in requests)
+               and not r.sampling_params.needs_processing for r in requests)
 
 
 def _decode_run_impl(runner: Any, k: int, t: int, param_leaves, kv_caches, tokens, positions, slots, page_table,

@@ -31,7 +31,7 @@ from jaxserve.model.attention.select import select_backend
 from jaxserve.model.kernels import kernel_choice
 from jaxserve.model.kernels.kernel_plan import KernelPlan
 from jaxserve.runner.parallel import AXIS, fit_spec, params_shardings, put_global, replicated
-from jaxserve.runner.sampler import SamplingArrays, sample_tokens
+from jaxserve.runner.sampler import Sampler, SamplingArrays, sample_tokens
 
 WARM_REAL_TOKENS = 512  # warm-up runs buckets up to this size once with real work
 # Token buckets above this compile, on a CPU, with every dot a YNNPACK call of its own: from ~4096 rows XLA's CPU
@@ -139,7 +139,7 @@ class ModelRunner:
             self._replicated = None
             self._forward = jax.jit(self._forward_impl, donate_argnums=(1,))
             self._forward_wide = jax.jit(self._forward_impl, donate_argnums=(1,), **wide) if wide else self._forward
-            self._sample = jax.jit(self._sample_impl)
+            self._sample = Sampler(self)  # plain, or processed when a row asks (penalties, bias, bans)
             self._insert = jax.jit(self._insert_impl, donate_argnums=(0,))
             self._gather = jax.jit(self._gather_impl, static_argnums=(2,))
             self._no_prev = jnp.zeros(self.max_sampled, jnp.int32, device=sharding)
@@ -154,7 +154,7 @@ class ModelRunner:
                                 in_shardings=(params_sh, kv_sh, rep, rep), out_shardings=(rep, kv_sh))
         self._forward_wide = jax.jit(self._forward_impl, donate_argnums=(1,), in_shardings=(params_sh, kv_sh, rep, rep),
                                      out_shardings=(rep, kv_sh), **wide) if wide else self._forward
-        self._sample = jax.jit(self._sample_impl, in_shardings=(params_sh, *(rep,) * 8), out_shardings=rep)
+        self._sample = Sampler(self, in_shardings=(params_sh, *(rep,) * 8), out_shardings=rep)
         # Transfers: the block's sharding follows from its head count (see `pages_sharding`); the pool keeps its own.
         self._gather = jax.jit(self._gather_impl, static_argnums=(2,))
         self._insert = jax.jit(self._insert_impl, donate_argnums=(0,), out_shardings=kv_sh)
@@ -262,7 +262,7 @@ class ModelRunner:
                                                                     prev_tokens)
         rows = self._put((sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed,
                           sampling.step, np.bool_(sampling.want_logprobs)))
-        return self._sample(self.param_leaves, hidden_rows, *rows)
+        return self._sample(self.param_leaves, hidden_rows, *rows, requests=batch.requests)
 
     @staticmethod
     def is_ready(pending: Any) -> bool:
@@ -332,7 +332,7 @@ class ModelRunner:
         for s in self.seq_buckets:
             a = SamplingArrays.build([], s)
             rows = self._put((a.temperature, a.top_k, a.top_p, a.min_p, a.seed, a.step, np.bool_(True)))
-            jax.block_until_ready(self._sample(self.param_leaves, hidden_rows, *rows))
+            jax.block_until_ready(self._sample.warm(self.param_leaves, hidden_rows, *rows))
 
     def warmup_transfer(self, unique_heads: int | None = None, *, gather: bool = True, insert: bool = True) -> None:
         """Compile `gather_pages` and/or `insert_pages` for every page-count bucket (disaggregated pools)."""

@@ -11,12 +11,15 @@ bitwise search over the values' order keys. An all-greedy batch skips the random
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.runner.logits_processing import Processing, process_logits
 
 NUM_TOP_LOGPROBS = 20
 
@@ -115,12 +118,15 @@ def _draw(scaled: jax.Array, u: jax.Array) -> jax.Array:
 
 def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
                   min_p: jax.Array, seed: jax.Array, step: jax.Array, want_logprobs: jax.Array,
-                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Sample one token per row of float32 `logits` [S, V].
+                  processed: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Sample one token per row of float32 `logits` [S, V] (from `processed`, the logits after
+    `logits_processing.process_logits`, when given).
 
     Returns (tokens [S], logprob of each token [S], top token ids [S, K], their logprobs [S, K]); the
-    top-K arrays are zeros unless `want_logprobs`. Logprobs are of the unscaled model distribution.
+    top-K arrays are zeros unless `want_logprobs`. Logprobs are of the unscaled, unprocessed model distribution
+    (vLLM's default, `raw_logprobs`).
     """
+    raw, logits = logits, logits if processed is None else processed
     greedy = first_argmax(logits)
     sampling = temperature > 0
 
@@ -137,6 +143,7 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     # All of sampling is skipped when every row is greedy: a greedy batch draws no random numbers and computes no
     # cut (docs/tuning.md).
     tokens = jax.lax.cond(jnp.any(sampling), draw, lambda: greedy).astype(jnp.int32)
+    logits = raw
     lse = jax.nn.logsumexp(logits, axis=-1)
     token_logprob = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
     k = min(NUM_TOP_LOGPROBS, logits.shape[-1])
@@ -151,3 +158,45 @@ def first_argmax(x: jax.Array) -> jax.Array:
     backend runs far faster than its argmax, a reduction over (value, index) pairs; see docs/tuning.md."""
     idx = jnp.where(x == jnp.max(x, axis=-1, keepdims=True), jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1])
     return jnp.minimum(jnp.min(idx, axis=-1), x.shape[-1] - 1).astype(jnp.int32)
+
+
+class Sampler:
+    """A runner's jitted sampler (logits of the hidden rows, then `sample_tokens`) in two variants: plain, and
+    processed (logits_processing.py) for a step where some row has penalties, a bias or bans. Both compile per
+    sampling bucket at warm-up (`warm`); `_cache_size` counts both, like a jitted function's."""
+
+    def __init__(self, runner: Any, **jit_kwargs: Any) -> None:
+        self.runner = runner
+        self.vocab_size = int(nnx.merge(runner.graphdef, runner.params).embed[...].shape[0])
+        self.history_len = runner.pages_per_seq * runner.page_size  # the penalties' token history
+        self.plain = jax.jit(runner._sample_impl, **jit_kwargs)
+        if "in_shardings" in jit_kwargs:  # the processing arrays are replicated like the sampling rows
+            shardings = jit_kwargs["in_shardings"]
+            jit_kwargs = {**jit_kwargs, "in_shardings": (*shardings, *(shardings[-1],) * 6)}
+        self.processed = jax.jit(self._processed_impl, **jit_kwargs)
+
+    def _processed_impl(self, param_leaves, hidden_rows, temperature, top_k, top_p, min_p, seed, step,
+                        want_logprobs, *processing):
+        r = self.runner
+        model = nnx.merge(r.graphdef, jax.tree.unflatten(r._param_tree, param_leaves))
+        logits = model.compute_logits(hidden_rows[: temperature.shape[0]], cpu_kernel=r.cpu_kernels,
+                                      plan=r.kernel_plan)
+        tokens, *rest = sample_tokens(logits, temperature, top_k, top_p, min_p, seed, step, want_logprobs,
+                                      process_logits(logits, *processing))
+        return (jnp.zeros(r.max_sampled, jnp.int32).at[: tokens.shape[0]].set(tokens), *rest)
+
+    def __call__(self, param_leaves, hidden_rows, *rows: Any, requests: list | None = None) -> Any:
+        """Draw for the step of `requests` (scheduler Requests; None entries and None: nothing to process)."""
+        proc = Processing.build(requests or [], rows[0].shape[0], self.vocab_size, self.history_len)
+        if proc is None:
+            return self.plain(param_leaves, hidden_rows, *rows)
+        return self.processed(param_leaves, hidden_rows, *rows, *self.runner._put(proc.arrays()))
+
+    def warm(self, param_leaves, hidden_rows, *rows: Any) -> Any:
+        """Compile both variants for these rows' sampling bucket; returns the plain one's output."""
+        neutral = Processing.neutral(rows[0].shape[0], self.vocab_size, self.history_len)
+        jax.block_until_ready(self.processed(param_leaves, hidden_rows, *rows, *self.runner._put(neutral.arrays())))
+        return self.plain(param_leaves, hidden_rows, *rows)
+
+    def _cache_size(self) -> int:
+        return self.plain._cache_size() + self.processed._cache_size()

@@ -30,17 +30,19 @@ from jaxserve.server.bodies import OFFLOAD_BYTES, decode, offload, read_body
 from jaxserve.server.errors import APIError, excerpt, validation_error
 from jaxserve.server.limits import Admission, ServerLimits, check_request_shape
 from jaxserve.server.metrics import ServerMetrics, StatsLogger
+from jaxserve.server.openapi import install_openapi
 from jaxserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ModelCard,
-    ModelList,
     TokenizeRequest,
     UnsupportedValue,
+    ignored_fields,
 )
+from jaxserve.server.responses import ModelCard, ModelList
 from jaxserve.server.serving import Generator, new_request_id
 from jaxserve.server.streaming import SSEResponse, install_log_filter
+from jaxserve.server.token_text import tokenizer_info
 from jaxserve.server.yielding_json import dumps_ints
 
 logger = logging.getLogger("jaxserve.server")
@@ -76,6 +78,7 @@ def build_app(engine: Any, log_interval: float = 10.0, limits: ServerLimits | No
             gen.abort_all()
 
     app = FastAPI(title="jaxserve", version=jaxserve.__version__, lifespan=lifespan)
+    install_openapi(app)
     app.state.generator = gen
     app.state.metrics = metrics
     app.state.admission = admission
@@ -112,6 +115,10 @@ def build_app(engine: Any, log_interval: float = 10.0, limits: ServerLimits | No
         body = await read_body(request, limits.max_request_body_bytes)
         big = len(body) >= OFFLOAD_BYTES
         req = await offload(big, decode, body, cls, precheck)
+        ignored = ignored_fields(req)
+        if ignored:  # vLLM's behaviour: accepted, and the names logged so a misspelt parameter can be found
+            logger.warning("The following fields were present in the request but ignored: %s",
+                           ", ".join(excerpt(n, 40) for n in ignored))
         name = getattr(req, "model", None)
         if name is not None and name != model_name:
             raise APIError(404, f"The model `{excerpt(name)}` does not exist.", "model", "model_not_found")
@@ -177,9 +184,12 @@ def build_app(engine: Any, log_interval: float = 10.0, limits: ServerLimits | No
             req_id = new_request_id(prefix)
             subs = await offload(big, make_subs, req_id, req)
             if req.stream:
-                usage = bool(req.stream_options and req.stream_options.include_usage)
+                opts = req.stream_options
+                usage = bool(opts and opts.include_usage)
+                continuous = usage and bool(opts and opts.continuous_usage_stats)
                 cut = asyncio.Event()
-                response = SSEResponse(gen.stream(req_id, subs, chat, usage, deadline, cut), cut, release)
+                response = SSEResponse(gen.stream(req_id, subs, chat, usage, deadline, cut, continuous), cut,
+                                       release)
                 release = None  # the response releases its sequences when it ends
                 return response
 
@@ -207,6 +217,12 @@ def build_app(engine: Any, log_interval: float = 10.0, limits: ServerLimits | No
         card = ModelCard(id=model_name, root=engine.config.model, max_model_len=engine.max_model_len)
         return ModelList(data=[card]).model_dump()
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != model_name:
+            raise APIError(404, f"The model `{excerpt(model_id)}` does not exist.", "model", "model_not_found")
+        return ModelCard(id=model_name, root=engine.config.model, max_model_len=engine.max_model_len).model_dump()
+
     @app.get("/health")
     async def health() -> Response:
         if engine.is_healthy:
@@ -222,12 +238,17 @@ def build_app(engine: Any, log_interval: float = 10.0, limits: ServerLimits | No
     async def version() -> dict[str, str]:
         return {"version": jaxserve.__version__, "attention_backend": engine.config.attention_backend}
 
+    @app.get("/tokenizer_info")
+    async def tokenizer() -> dict[str, Any]:
+        if engine.tokenizer is None:
+            raise APIError(400, "This model has no tokenizer", None)
+        return tokenizer_info(engine.tokenizer, engine.max_model_len, engine.spec.vocab_size).model_dump()
+
     def tokens_of(req: TokenizeRequest) -> list[int]:
         tok = engine.tokenizer
         try:
             if req.messages is not None:
-                msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                        for m in req.messages]
+                msgs = [m.template_dict() for m in req.messages]
                 text = tok.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt)
                 return list(tok.encode(text, add_special_tokens=False))
             return list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))

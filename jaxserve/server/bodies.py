@@ -26,6 +26,7 @@ from jaxserve.server.errors import APIError, validation_error
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 OFFLOAD_BYTES = 32 * 2**10  # below this, a thread hop costs more than the work it would move
+MAX_IGNORED_DEPTH = 64  # nesting allowed in the fields a request holds but jaxserve ignores
 _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxserve-decode")
 CLOSE = {"Connection": "close"}  # the body was left unread: the connection cannot carry another request
 
@@ -81,8 +82,22 @@ def decode(body: bytes, cls: type[M], precheck: Callable[[dict[str, Any]], None]
     if precheck is not None:
         precheck(obj)
     try:
-        return cls.model_validate(obj)
+        req = cls.model_validate(obj)
     except ValidationError as e:
         raise validation_error(e) from None
     except RecursionError:  # a nested free-form field (tools, response_format) pydantic walks recursively
         raise APIError(400, "Malformed JSON body: nested too deeply", None, "invalid_json") from None
+    if _depth(req.model_extra or {}) > MAX_IGNORED_DEPTH:  # ignored fields are kept, so they are bounded too
+        raise APIError(400, "Malformed JSON body: nested too deeply", None, "invalid_json")
+    return req
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of a JSON value, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict | list):
+            deepest = max(deepest, d)
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest

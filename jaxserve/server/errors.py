@@ -23,6 +23,14 @@ _REPR.maxlist = _REPR.maxtuple = _REPR.maxset = 8
 _REPR.maxdict, _REPR.maxlevel = 4, 3
 
 
+class UnsupportedValue(ValueError):
+    """A parameter given a value we do not implement (or an invalid one); `param` names it."""
+
+    def __init__(self, param: str, message: str, code: str = "unsupported_value") -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
 def excerpt(value: Any, limit: int = 60) -> str:
     """A short printable excerpt of a client's value: strings cut to `limit` characters, others a bounded repr."""
     if isinstance(value, str):

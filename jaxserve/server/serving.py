@@ -19,7 +19,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field
 from typing import Any
 
 from jaxserve.core.outputs import RequestOutput
@@ -27,23 +26,15 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.tokenizer import TokenizerError
 from jaxserve.core.validation import PromptError, encode_prompt, resolve_max_tokens
 from jaxserve.engine.async_engine import EngineDeadError
+from jaxserve.server.choices import ChoiceFormatter, _Sub
 from jaxserve.server.errors import APIError
 from jaxserve.server.limits import ServerLimits
-from jaxserve.server.protocol import (
-    ChatChoice,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatLogprobs,
-    ChatResponseMessage,
-    ChatTokenLogprob,
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    TopLogprob,
-    UnsupportedValue,
-    Usage,
-)
+from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedValue
+from jaxserve.server.responses import Usage
+from jaxserve.server.structured_fields import constraint_field
+from jaxserve.server.token_text import TokenText
+from jaxserve.structured.grammar import GrammarError
+from jaxserve.structured.grammar import matcher as grammar_matcher
 
 __all__ = ["APIError", "Generator", "new_request_id"]
 logger = logging.getLogger("jaxserve.server")
@@ -60,24 +51,7 @@ def _shutdown_error() -> APIError:
                     "server_shutdown", type_="service_unavailable")
 
 
-@dataclass
-class _Sub:
-    """One engine request: choice `index` of prompt `prompt_idx`."""
-
-    index: int
-    prompt_idx: int
-    engine_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    # streaming state
-    text_len: int = 0
-    num_tokens: int = 0
-    last: RequestOutput | None = None
-    text_offset: int = 0
-    logprob_entries: list[Any] = field(default_factory=list)
-
-
-class Generator:
+class Generator(ChoiceFormatter):
     """Runs OpenAI requests against one engine."""
 
     def __init__(self, engine: Any, model_name: str, limits: ServerLimits | None = None) -> None:
@@ -86,6 +60,7 @@ class Generator:
         self.closing = False  # set by abort_all at shutdown: new requests get 503
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
+        self.token_text = TokenText(engine.tokenizer)
         self.max_model_len: int = engine.max_model_len
         self.vocab_size: int = engine.spec.vocab_size
         self.inflight: set[str] = set()
@@ -125,7 +100,8 @@ class Generator:
               default_max: int | None, logprobs: int | None, param: str) -> list[_Sub]:
         subs = []
         for p, ids in enumerate(prompts):
-            max_tokens = self._max_tokens(len(ids), req.max_tokens or default_max, param)
+            # max_tokens 0 (echo only): the engine draws one token, which the response leaves out
+            max_tokens = self._max_tokens(len(ids), 1 if req.max_tokens == 0 else req.max_tokens or default_max, param)
             for i in range(req.n):
                 seed = None if req.seed is None else req.seed + i
                 try:
@@ -133,8 +109,24 @@ class Generator:
                 except ValueError as e:
                     raise APIError(400, str(e), str(e).split(" ")[0], "invalid_value") from None
                 k = p * req.n + i
-                subs.append(_Sub(k, p, f"{req_id}-{k}", ids, params))
+                subs.append(_Sub(k, p, f"{req_id}-{k}", ids, params, prompt_logprobs=req.prompt_logprobs))
+        if subs:
+            self._check_processing(subs[0].params, req)
         return subs
+
+    def _check_processing(self, params: SamplingParams, req: CompletionRequest | ChatCompletionRequest) -> None:
+        """400 for a logit_bias outside the vocabulary or a constraint that does not compile (compiling it here
+        also fills the cache the engine takes its matcher from)."""
+        bad = next((t for t in params.logit_bias or {} if t >= self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"logit_bias holds token id {bad}, outside the vocabulary (size {self.vocab_size})",
+                           "logit_bias", "invalid_value")
+        if params.structured_outputs is not None:
+            try:
+                grammar_matcher(params.structured_outputs, self.tokenizer, self.vocab_size)
+            except GrammarError as e:
+                raise APIError(400, f"The structured output constraint does not compile: {e}",
+                               constraint_field(req), "invalid_value") from None
 
     def completion_subs(self, req_id: str, req: CompletionRequest) -> list[_Sub]:
         try:
@@ -142,18 +134,29 @@ class Generator:
         except UnsupportedValue as e:
             raise APIError(400, str(e), e.param, e.code) from None
         prompts = [self._token_ids(p, "prompt", True) for p in raw]
-        return self._subs(req_id, prompts, req, 16, req.logprobs, "prompt")
+        subs = self._subs(req_id, prompts, req, 16, req.logprobs, "prompt")
+        for s in subs:
+            if req.echo:  # the prompt leads the choice's text (and its logprobs)
+                p = raw[s.prompt_idx]
+                s.echo = p if isinstance(p, str) else self.tokenizer.decode(p) if self.tokenizer else ""
+            s.drop_output = req.max_tokens == 0
+        return subs
 
     def chat_subs(self, req_id: str, req: ChatCompletionRequest) -> list[_Sub]:
         if self.tokenizer is None:
             raise APIError(400, "This model has no tokenizer, so it cannot serve chat completions", "messages")
+        messages = req.chat_messages(getattr(self.tokenizer, "chat_template", None))
         try:
-            text = self.tokenizer.apply_chat_template(req.chat_messages(), add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      **({"tools": req.tools} if req.tools else {}))
         except TokenizerError as e:  # e.g. the template refuses this order of roles
             raise APIError(400, str(e), "messages") from None
         ids = self._token_ids(text, "messages", False)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return self._subs(req_id, [ids], req, None, logprobs, "messages")
+        subs = self._subs(req_id, [ids], req, None, logprobs, "messages")
+        for s in subs:
+            s.tools, s.tool_choice = req.tools, req.effective_tool_choice
+        return subs
 
     # ---- running ----
 
@@ -248,100 +251,22 @@ class Generator:
         for rid in list(self.inflight):
             self.engine.abort(rid)
 
-    # ---- formatting ----
-
-    def _token_str(self, tid: int) -> str:
-        return f"token_id:{tid}" if self.tokenizer is None else self.tokenizer.decode([tid], skip_special_tokens=False)
-
-    def _completion_logprobs(self, sub: _Sub, out: RequestOutput, start: int) -> CompletionLogprobs | None:
-        c = out.outputs[0]
-        if sub.params.logprobs is None or c.logprobs is None:
-            return None
-        lp = CompletionLogprobs()
-        for tid, d in zip(c.token_ids[start:], c.logprobs[start:], strict=False):
-            tok = self._token_str(tid)
-            lp.tokens.append(tok)
-            lp.token_logprobs.append(d.get(tid))
-            top = sorted(d.items(), key=lambda kv: -kv[1])[: sub.params.logprobs]
-            lp.top_logprobs.append({self._token_str(t): v for t, v in top} if sub.params.logprobs else None)
-            lp.text_offset.append(sub.text_offset)
-            sub.text_offset += len(tok)
-        return lp
-
-    def _chat_logprobs(self, sub: _Sub, out: RequestOutput, start: int) -> ChatLogprobs | None:
-        c = out.outputs[0]
-        if sub.params.logprobs is None or c.logprobs is None:
-            return None
-
-        def entry(tid: int, value: float) -> TopLogprob:
-            tok = self._token_str(tid)
-            return TopLogprob(token=tok, logprob=value, bytes=list(tok.encode("utf-8")))
-
-        content = []
-        for tid, d in zip(c.token_ids[start:], c.logprobs[start:], strict=False):
-            chosen = entry(tid, d.get(tid, float("-inf")))
-            top = sorted(d.items(), key=lambda kv: -kv[1])[: sub.params.logprobs]
-            content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=[entry(t, v) for t, v in top]))
-        return ChatLogprobs(content=content)
-
-    @staticmethod
-    def usage(subs: list[_Sub]) -> Usage:
-        """Prompt tokens once per prompt (cached tokens from its first choice); completion tokens of all."""
-        firsts = {s.prompt_idx: s for s in reversed(subs)}
-        prompt = sum(len(s.prompt_ids) for s in firsts.values())
-        cached = sum(s.last.num_cached_tokens if s.last else 0 for s in firsts.values())
-        completion = sum(len(s.last.outputs[0].token_ids) if s.last else 0 for s in subs)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details={"cached_tokens": cached})
-
-    def completion_response(self, req_id: str, subs: list[_Sub]) -> CompletionResponse:
-        choices = []
-        for s in subs:
-            c = s.last.outputs[0]  # type: ignore[union-attr]
-            choices.append(CompletionChoice(index=s.index, text=c.text, finish_reason=c.finish_reason,
-                                            stop_reason=c.stop_reason,
-                                            logprobs=self._completion_logprobs(s, s.last, 0)))  # type: ignore[arg-type]
-        return CompletionResponse(id=req_id, model=self.model_name, choices=choices, usage=self.usage(subs))
-
-    def chat_response(self, req_id: str, subs: list[_Sub]) -> ChatCompletionResponse:
-        choices = []
-        for s in subs:
-            c = s.last.outputs[0]  # type: ignore[union-attr]
-            choices.append(ChatChoice(index=s.index, message=ChatResponseMessage(content=c.text),
-                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                      logprobs=self._chat_logprobs(s, s.last, 0)))  # type: ignore[arg-type]
-        return ChatCompletionResponse(id=req_id, model=self.model_name, choices=choices, usage=self.usage(subs))
-
-    def _delta(self, s: _Sub, out: RequestOutput, chat: bool) -> dict[str, Any] | None:
-        """The stream choice for what `out` adds to `s` since its last output, or None when nothing."""
-        s.last = out
-        c = out.outputs[0]
-        delta, start = c.text[s.text_len:], s.num_tokens
-        s.text_len, s.num_tokens = len(c.text), len(c.token_ids)
-        if not delta and not c.finish_reason and (s.params.logprobs is None or start == s.num_tokens):
-            return None
-        if chat:
-            lp: Any = self._chat_logprobs(s, out, start)
-            choice = {"index": s.index, "delta": {"content": delta}}
-        else:
-            lp = self._completion_logprobs(s, out, start)
-            choice = {"index": s.index, "text": delta}
-        choice.update(logprobs=lp.model_dump() if lp else None, finish_reason=c.finish_reason)
-        if c.finish_reason:
-            choice["stop_reason"] = c.stop_reason
-        return choice
-
     async def stream(self, req_id: str, subs: list[_Sub], chat: bool, include_usage: bool,
-                     deadline: float | None = None, cut: asyncio.Event | None = None) -> AsyncIterator[str]:
+                     deadline: float | None = None, cut: asyncio.Event | None = None,
+                     continuous_usage: bool = False) -> AsyncIterator[str]:
         """SSE events: `data: {json}\\n\\n` chunks, then `data: [DONE]\\n\\n`; a failure (or shutdown's abort) is an
-        error event before [DONE]. `cut` is set when the reader falls too far behind (see `_merge`)."""
+        error event before [DONE]. `cut` is set when the reader falls too far behind (see `_merge`). With
+        `include_usage` the last chunk holds the usage and the others `usage: null`; with `continuous_usage`
+        (vLLM's `continuous_usage_stats`) every chunk holds the usage so far."""
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def event(choices: list[dict[str, Any]], usage: Usage | None = None, with_usage: bool = False) -> str:
+        def event(choices: list[dict[str, Any]], usage: Usage | None = None) -> str:
             chunk: dict[str, Any] = {"id": req_id, "object": obj, "created": created, "model": self.model_name,
                                      "choices": choices}
             if include_usage:
+                if usage is None and continuous_usage:
+                    usage = self.usage(subs)
                 chunk["usage"] = usage.model_dump() if usage else None
             return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
 
