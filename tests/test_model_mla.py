@@ -15,9 +15,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
 
+from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.core.engine_config import EngineConfig  # noqa: E402
-from jaxserve.model.llama import init_kv_cache, kv_cache_bytes, planner_kv_bytes  # noqa: E402
+from jaxserve.model.llama import LlamaForCausalLM, init_kv_cache, kv_cache_bytes, planner_kv_bytes  # noqa: E402
 from jaxserve.model.weights import load_hf_checkpoint  # noqa: E402
 from jaxserve.runner.model_builder import build_model_and_cache  # noqa: E402
 from planner.memory import kv_bytes_per_token, kv_pool_pages  # noqa: E402
@@ -80,3 +82,15 @@ def test_an_mla_engine_pool_holds_the_tokens_the_planner_says():
     assert allocated == pages * 16 * kv_bytes_per_token(spec, "fp32")
     # 2 layers x 64 floats a token: 512 bytes, where per-head K and V of 4 heads x 32 would take 2048.
     assert kv_bytes_per_token(spec, "fp32") == 2 * 64 * 4
+
+
+@pytest.mark.parametrize("preset", ["tiny-mla", "tiny-moe"])
+def test_engine_serves_the_synthetic_presets_as_the_model_decodes(preset):
+    """`LLM` on the MLA and MoE presets (runner, scheduler, chunked prefill, the backend chosen at start-up) gives
+    the tokens of the model run directly through the paged pool."""
+    llm = LLM(preset, max_num_seqs=4, max_num_batched_tokens=64, chunk_size=32, page_size=16,
+              kv_cache_memory=2**20, max_model_len=256, token_buckets=(8, 64), seq_buckets=(4,))
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10))
+    spec = PRESETS[preset]
+    direct, _ = greedy_paged(LlamaForCausalLM(spec, jnp.float32, rngs=nnx.Rngs(0)), spec, PROMPTS, 10)
+    assert [o.outputs[0].token_ids for o in outs] == direct

@@ -92,8 +92,8 @@ class DecoderLayer(nnx.Module):
             self.mlp = MLP(spec, dtype, rngs)
 
     def matmul_weights(self) -> list[jax.Array]:
-        """The [in, ...] weights this layer's projections pass to `linear` (an expert's: the first one's), for
-        `kernel_choice` to time the kernel on."""
+        """The [in, ...] weights this layer's projections pass to `linear` with the kernel allowed (not the expert
+        tiles, which stay in XLA), for `kernel_choice` to time the kernel on."""
         attn, mlp = self.attn, self.mlp
         if isinstance(attn, LatentAttention):
             ws = [p[...] for p in (attn.q, attn.q_a, attn.q_b, attn.kv_a, attn.o) if p is not None]
@@ -101,8 +101,6 @@ class DecoderLayer(nnx.Module):
             qkv = attn.qkv[...]
             ws = [qkv.reshape(qkv.shape[0], -1), attn.o[...]]
         if isinstance(mlp, MoE):
-            gu, down = mlp.experts_gate_up[...], mlp.experts_down[...]
-            ws += [gu[0].reshape(gu.shape[1], -1), down[0]]
             mlp = mlp.shared
         return ws + ([mlp.gate_up[...], mlp.down[...]] if mlp is not None else [])
 

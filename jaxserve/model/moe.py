@@ -121,7 +121,8 @@ class MoE(nnx.Module):
         logits = x.astype(jnp.float32) @ self.router[...]
         weights, ids = route(logits, self.top_k, norm_topk_prob=self.norm_topk_prob, scaling=self.scaling,
                              topk_method=self.topk_method, n_group=self.n_group, topk_group=self.topk_group)
-        mm = lambda a, w: linear(a, w.reshape(w.shape[0], -1), cpu_kernel, plan)  # noqa: E731
+        # XLA's dots, not the C++ kernel: on an expert sliced inside the tile loop it ran slower (docs/models.md).
+        mm = lambda a, w: linear(a, w.reshape(w.shape[0], -1))  # noqa: E731
         y = grouped_experts(x, ids, weights, self.experts_gate_up[...], self.experts_down[...], mm)
         if self.shared is not None:
             y = y + self.shared(x, cpu_kernel, plan)
