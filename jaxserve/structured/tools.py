@@ -1,7 +1,8 @@
 """Tool calling: tools rendered for the chat template, `tool_choice` enforced with a grammar, calls parsed back.
 
 - `tool_choice: "required"`: the output is constrained to a JSON list of one or more calls, each
-  `{"name": <one of the tools>, "parameters": <that tool's schema>}` (vLLM's approach); every call parses.
+  `{"name": <one of the tools>, "parameters": <that tool's schema>}` (vLLM's approach); every call parses. A
+  parameters object that does not set `additionalProperties` is closed (OpenAI's strict mode), so calls end.
 - A named function: the output is constrained to that function's parameters schema; it is the call's arguments.
 - `"auto"`: the model writes freely and calls are parsed from its text with the Hermes format (Qwen, Hermes,
   many others): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; text outside them is the content.
@@ -65,7 +66,10 @@ def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> None:
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
-    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+    """A tool's parameters schema as the grammar enforces it: closed (no properties beyond the declared ones)
+    unless it says otherwise, as OpenAI's strict function calling requires, so a call always ends."""
+    schema = tool["function"].get("parameters") or {"type": "object", "properties": {}}
+    return {"additionalProperties": False, **schema} if schema.get("type") == "object" else schema
 
 
 def named_function(tool_choice: Any) -> str | None:
