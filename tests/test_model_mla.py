@@ -22,6 +22,7 @@ from jaxserve.core.engine_config import EngineConfig  # noqa: E402
 from jaxserve.model.llama import LlamaForCausalLM, init_kv_cache, kv_cache_bytes, planner_kv_bytes  # noqa: E402
 from jaxserve.model.weights import load_hf_checkpoint  # noqa: E402
 from jaxserve.runner.model_builder import build_model_and_cache  # noqa: E402
+from jaxserve.runner.parallel import check_tp  # noqa: E402
 from planner.memory import kv_bytes_per_token, kv_pool_pages  # noqa: E402
 from planner.model_spec import PRESETS, load_model_spec  # noqa: E402
 from tests.model_parity import NEW_TOKENS, PROMPTS, greedy_paged, hf_greedy, hf_logits, randomize  # noqa: E402
@@ -94,3 +95,9 @@ def test_engine_serves_the_synthetic_presets_as_the_model_decodes(preset):
     spec = PRESETS[preset]
     direct, _ = greedy_paged(LlamaForCausalLM(spec, jnp.float32, rngs=nnx.Rngs(0)), spec, PROMPTS, 10)
     assert [o.outputs[0].token_ids for o in outs] == direct
+
+
+def test_mla_refuses_tensor_parallelism_in_one_line():
+    with pytest.raises(ValueError, match="does not support MLA"):
+        check_tp(PRESETS["tiny-mla"], 2)
+    check_tp(PRESETS["tiny-moe"], 2)  # MoE is tensor parallel (tests/test_model_moe.py)
