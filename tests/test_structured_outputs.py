@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -154,3 +155,21 @@ def test_bad_constraints_are_400s_naming_their_field(server, extra: dict, param:
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "a", "max_tokens": 4, **extra}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+# ---- the trained default model (a BPE tokenizer: grammars over multi-byte tokens) ----
+
+def test_the_trained_model_keeps_to_every_constraint() -> None:
+    import jaxserve
+
+    if not (Path(jaxserve.__file__).parent / "models" / "bard" / "model.safetensors").is_file():
+        pytest.skip("the trained model bard is not in this checkout")
+    bard = LLM(model="bard", max_num_seqs=4, max_num_batched_tokens=128, chunk_size=64, page_size=16,
+               kv_cache_memory=16 * 2**20, max_model_len=512)
+    for out in outputs(bard, constrained(json=SCHEMA)):
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+    for out in outputs(bard, constrained(regex=r"(ROMEO|JULIET): [a-z ]{1,20}\.")):
+        assert re.fullmatch(r"(ROMEO|JULIET): [a-z ]{1,20}\.", out.text), out.text
+    for out in outputs(bard, constrained(choice=("yes", "no", "my lord"))):
+        assert out.text in ("yes", "no", "my lord")
