@@ -158,6 +158,11 @@ def test_stops_inside_accepted_drafts_cut_there(plain, spec):
     assert spec.engine.scheduler.get_request(out.request_id) is None
 
 
+def test_requests_it_cannot_verify_are_refused(spec):
+    with pytest.raises(ValueError, match="not supported with speculative decoding"):
+        spec.engine.add_request("pen", [1, 2, 3], SamplingParams(presence_penalty=0.5))
+
+
 def test_prometheus_shows_vllm_spec_decode_names(spec):
     from jaxserve.server.metrics import ServerMetrics
 

@@ -1,0 +1,35 @@
+"""`jaxserve report --speculative-config`: the speculative row, measured against the planner, and its table."""
+
+import json
+
+import pytest
+
+from jaxserve.core.engine_config import EngineConfig
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.report.context import Context, ReportConfig
+from jaxserve.report.speculative import markdown, run_speculative
+from planner.hardware import load_hardware
+from planner.speculative import verify_step_s
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+
+
+def test_the_speculative_row_prices_what_the_run_measured():
+    engine = LLMEngine(EngineConfig(model="tiny", max_num_seqs=2, max_num_batched_tokens=64, chunk_size=64,
+                                    kv_cache_memory=2**20, max_model_len=256, seq_buckets=(1, 2)))
+    cfg = ReportConfig(model="tiny", speculative=json.dumps(NGRAM), spec_prompt_len=48, spec_output_len=24,
+                       spec_repeats=1)
+    hw = load_hardware("h100-sxm")  # the row's arithmetic, not its accuracy: that is the report's job on a profile
+    ctx = Context(engine=engine, spec=engine.spec, hw=hw, dtype="fp32", cfg=cfg, log=lambda m: None)
+    (row,) = run_speculative(ctx)
+    assert row["kind"] == "speculative" and row["config"]["k"] == 3
+    assert row["measured_tpot_ms"] > 0 and row["measured_plain_tpot_ms"] > 0
+    assert row["verify_steps"] > 0 and 1 <= row["tokens_per_verify_step"] <= 4
+    assert row["predicted_verify_step_ms"] == pytest.approx(
+        1e3 * verify_step_s(engine.spec, hw, 1, 48 + 12, 3, dtype="fp32", token_buckets=engine.runner.token_buckets))
+    assert row["predicted_proposer_ms"] == 0.0  # n-gram lookup
+    plain_steps, verify_steps = row["plain_steps"], row["verify_steps"]
+    assert row["predicted_tpot_ms"] == pytest.approx(
+        (verify_steps * row["predicted_verify_step_ms"] + plain_steps * row["predicted_plain_tpot_ms"]) / 23)
+    table = markdown({"rows": [row]})
+    assert table[0] == "## Speculative decoding (one request)" and "| ngram" in table[4]
