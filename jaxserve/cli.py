@@ -21,6 +21,7 @@ COMMANDS = {
     "calibrate": "jaxserve.calibrate.cli:calibrate_command",
     "report": "jaxserve.report.cli:report_command",
     "convert": "jaxserve.model.cli:convert",
+    "eval": "jaxserve.eval.cli:eval_group",
 }
 
 

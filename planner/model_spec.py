@@ -280,16 +280,31 @@ def spec_from_hf_config(config: dict[str, Any], name: str = "custom") -> ModelSp
     return ModelSpec(**common)
 
 
+# Trained checkpoints shipped as package data (scripts/train_reference_model.py); their names resolve to folders.
+SHIPPED_MODELS = ("bard", "bard-draft")
+
+
+def resolve_model_path(model: str) -> str:
+    """A shipped model's name (`bard`, `bard-draft`) as its folder under `jaxserve/models/`; anything else as is."""
+    if model in SHIPPED_MODELS:
+        # Beside this package, whether in the source tree or site-packages; found by path so jax is not imported.
+        return str(Path(__file__).resolve().parent.parent / "jaxserve" / "models" / model)
+    return model
+
+
 def load_model_spec(model: str) -> ModelSpec:
-    """Resolve a preset name, an HF `config.json` path, or a folder holding one."""
+    """Resolve a preset name, a shipped model's name, an HF `config.json` path, or a folder holding one."""
     if model in PRESETS:
         return PRESETS[model]
+    if model in SHIPPED_MODELS:
+        return spec_from_hf_config(json.loads((Path(resolve_model_path(model)) / "config.json").read_text()), model)
     path = Path(model)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise ModelSpecError(
-            f"unknown model {model!r}: not a preset ({', '.join(PRESETS)}) nor a config.json or folder holding one")
+            f"unknown model {model!r}: not a preset ({', '.join((*PRESETS, *SHIPPED_MODELS))}) "
+            "nor a config.json or folder holding one")
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as e:

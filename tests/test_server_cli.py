@@ -18,7 +18,7 @@ from server_helpers import free_port, scrape, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 # The same engine shape as test_server_openai's, so the persistent compilation cache serves both.
-SMALL_ENGINE = ["--max-num-seqs", "64", "--max-num-batched-tokens", "256", "--chunk-size", "64",
+SMALL_ENGINE = ["--model", "tiny", "--max-num-seqs", "64", "--max-num-batched-tokens", "256", "--chunk-size", "64",
                 "--kv-cache-memory", "16MiB", "--max-model-len", "2048"]
 
 

@@ -82,7 +82,11 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The state of one request: cumulative text and tokens so far, `finished` on the last one."""
+    """The state of one request: cumulative text and tokens so far, `finished` on the last one.
+
+    `prompt_logprobs` (when `SamplingParams.prompt_logprobs` is set): None for the first prompt token, then per
+    prompt token {token_id: logprob} with that token and the top-k alternatives (runner/prompt_logprobs.py).
+    """
 
     request_id: str
     prompt: str | None
@@ -92,6 +96,7 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def text(self) -> str:

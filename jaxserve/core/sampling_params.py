@@ -48,7 +48,9 @@ class SamplingParams:
 
     temperature 0 is greedy; top_k <= 0 and top_p = 1 and min_p = 0 disable those filters. `seed` (in [0, 2**32))
     makes a request's samples reproducible whatever else shares its batch. `logprobs` asks for that many top
-    alternatives' log-probabilities per generated token (0 = only the chosen token's).
+    alternatives' log-probabilities per generated token (0 = only the chosen token's). `prompt_logprobs` (vLLM's
+    meaning) asks for each prompt token's own logprob and that many top alternatives' (None = off); they come back
+    as `RequestOutput.prompt_logprobs` (contract: jaxserve/runner/prompt_logprobs.py).
 
     Logits processing, as vLLM defines it (runner/logits_processing.py), before temperature and the filters:
     `bad_words` (each word's last token banned where the output ends in the rest of it; `update_from_tokenizer`
@@ -69,6 +71,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -105,6 +108,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if self.seed is not None and not 0 <= self.seed < SEED_RANGE:
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
         bad = next((t for t in self.stop_token_ids if not 0 <= t <= INT32_MAX), None)

@@ -20,7 +20,7 @@ import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from planner.model_spec import PRESETS, ModelSpec
+from planner.model_spec import PRESETS, ModelSpec, resolve_model_path
 
 Message = dict[str, Any]
 
@@ -186,7 +186,7 @@ def load_tokenizer(model: str | Path, spec: ModelSpec | None = None) -> Tokenize
     if (spec is not None and spec.synthetic) or (name in PRESETS and PRESETS[name].synthetic):
         spec = spec or PRESETS[name]
         return ByteTokenizer(spec.bos_token_id, spec.eos_token_id)
-    folder = Path(name).expanduser()
+    folder = Path(resolve_model_path(name)).expanduser()
     if folder.is_file():
         folder = folder.parent
     if (folder / "tokenizer.json").is_file():

@@ -34,9 +34,18 @@ class _Bytes(click.ParamType):
         return value if isinstance(value, int) else parse_bytes(str(value))
 
 
+# The trained model that ships with jaxserve (jaxserve/models/bard): the default of the commands a person runs
+# first (serve, generate, eval); tests and benchmarks keep the synthetic `tiny` (EngineConfig.model).
+SERVING_DEFAULT_MODEL = "bard"
+
+
+def _model_option(default: str) -> Callable:
+    return click.option("--model", default=default, show_default=True,
+                        help="Preset name (bard, tiny, small, ...) or HF checkpoint folder.")
+
+
 _OPTIONS = [
-    click.option("--model", default=EngineConfig.model, show_default=True,
-                 help="Preset name (tiny, small, ...) or HF checkpoint folder."),
+    _model_option(EngineConfig.model),
     click.option("--dtype", default="auto", show_default=True,
                  type=click.Choice(RUNTIME_DTYPES),
                  help="auto: float32 on CPU, bfloat16 on GPU/TPU."),
@@ -94,6 +103,13 @@ _OPTIONS = [
 def engine_options(fn: Callable) -> Callable:
     """Decorate a click command with every engine flag."""
     for option in reversed(_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+def serving_engine_options(fn: Callable) -> Callable:
+    """`engine_options` with SERVING_DEFAULT_MODEL as the default --model (serve, generate, eval)."""
+    for option in reversed([_model_option(SERVING_DEFAULT_MODEL), *_OPTIONS[1:]]):
         fn = option(fn)
     return fn
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import click
 
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.engine.args import build_engine, config_from_options, engine_options
+from jaxserve.engine.args import build_engine, config_from_options, serving_engine_options
 
 
 @click.command()
-@engine_options
+@serving_engine_options
 @click.option("--prompt", required=True, help="Prompt text (or comma-separated token ids with --token-ids).")
 @click.option("--token-ids", is_flag=True, help="Treat --prompt as comma-separated token ids.")
 @click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(min=1))

@@ -118,6 +118,8 @@ class _PrefillScheduler(Scheduler):
 class DisaggregatedEngine(LLMEngine):
     """Prefill on one device group, decode on another, KV moved between them (see module doc)."""
 
+    supports_prompt_logprobs = False  # the prefill pool's steps keep no prompt rows
+
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
         p, d = config.prefill_devices, config.decode_devices
         if len(jax.devices()) < p + d:

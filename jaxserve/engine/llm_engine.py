@@ -35,6 +35,7 @@ from jaxserve.runner.decode_run import DecodeRun, DecodeRunner, can_run_on_devic
 from jaxserve.runner.logits_processing import prepare_request
 from jaxserve.runner.model_builder import build_model_and_cache
 from jaxserve.runner.model_runner import ModelRunner, StepResult, default_token_ladder, power_of_two_ladder
+from jaxserve.runner.prompt_logprobs import PromptLogprobs, PromptRows, plan_rows, record
 from jaxserve.runner.sampler import SamplingArrays
 from jaxserve.spec_decode.step import SpeculativeDecoder, spec_k, spec_metrics
 from planner.model_spec import load_model_spec
@@ -54,6 +55,7 @@ class _Flight:
     sampling: SamplingArrays
     pending: Any
     placeholders: list[tuple[Request, int, int]] = field(default_factory=list)
+    prompt_rows: tuple[PromptRows | None, dict[int, PromptLogprobs]] = (None, {})
 
 
 @dataclass
@@ -65,10 +67,13 @@ class _Tracked:
     seed: int
     stops: StopChecker
     logprobs: list[dict[int, float]] | None = field(default=None)
+    prompt_logprobs: PromptLogprobs | None = None  # one entry per prompt token, filled as its rows run
 
 
 class LLMEngine:
     """Owns the model runner, the KV cache manager and the scheduler; turns steps into outputs."""
+
+    supports_prompt_logprobs = True
 
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
@@ -128,6 +133,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize_prompt(prompt)
         max_tokens = self.resolve_max_tokens(len(ids), params)
+        if params.prompt_logprobs is not None and (not self.supports_prompt_logprobs or self.runner.step_hook):
+            raise ValueError("prompt_logprobs is not supported by a disaggregated or multi-host engine")
         if self.spec_decoder is not None:
             self.spec_decoder.check(params)
         req = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
@@ -139,7 +146,8 @@ class LLMEngine:
         self._tracked[request_id] = _Tracked(
             request=req, prompt=prompt if isinstance(prompt, str) else None, seed=seed,
             stops=StopChecker(params, self.tokenizer, self.max_model_len),
-            logprobs=[] if params.logprobs is not None else None)
+            logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None)
         self.counters["prompt_tokens"] += len(ids)
         return req
 
@@ -184,8 +192,11 @@ class LLMEngine:
             return []
         sampling = self._sampling_for(batch, self.runner)
         compiles = self.runner.compile_count()
-        result = self.runner.execute(batch, sampling)
+        rows, lists = self._prompt_rows(batch)
+        result = self.runner.collect(self.runner.dispatch(batch, sampling, prompt_rows=rows), batch, sampling)
         compiled = self.runner.compile_count() > compiles
+        if rows is not None:
+            record(rows, result.prompt_logprobs, batch, lists)
         sampled = np.where(batch.samples, result.tokens, -1)
         self.scheduler.update_after_step(batch, sampled)
         now = self.clock()
@@ -248,7 +259,9 @@ class LLMEngine:
         if prev is not None and not overlap:
             outputs = self._collect_flight(prev)
         compiles = self.runner.compile_count()
-        flight = _Flight(batch, sampling, self.runner.dispatch(batch, sampling, prev.pending if prev else None))
+        rows, lists = self._prompt_rows(batch)
+        flight = _Flight(batch, sampling, self.runner.dispatch(batch, sampling, prev.pending if prev else None, rows),
+                         prompt_rows=(rows, lists))
         compiled = self.runner.compile_count() > compiles
         if prev is not None and overlap:
             outputs = self._collect_flight(prev)
@@ -265,6 +278,8 @@ class LLMEngine:
     def _collect_flight(self, flight: _Flight) -> list[RequestOutput]:
         """Wait for a dispatched step, write its tokens over their placeholders and post-process them."""
         result = self.runner.collect(flight.pending, flight.batch, flight.sampling)
+        if flight.prompt_rows[0] is not None:
+            record(flight.prompt_rows[0], result.prompt_logprobs, flight.batch, flight.prompt_rows[1])
         for req, index, s in flight.placeholders:
             if not req.status.finished:  # an aborted request dropped its placeholder
                 req.output_token_ids[index] = int(result.tokens[s])
@@ -280,6 +295,12 @@ class LLMEngine:
                 log.exception("request %s failed", req.request_id)
                 outputs.append(self._fail(tracked, f"internal error: {type(e).__name__}: {e}"))
         return outputs
+
+    def _prompt_rows(self, batch: RaggedBatch) -> tuple[PromptRows | None, dict[int, PromptLogprobs]]:
+        """The prefill rows of `batch` whose prompt logprobs their requests still miss, and those requests' lists."""
+        lists = {s: t.prompt_logprobs for s, r in enumerate(batch.requests)
+                 if (t := self._tracked.get(r.request_id)) is not None and t.prompt_logprobs is not None}
+        return plan_rows(batch, lists), lists
 
     def _sampling_for(self, batch, runner: ModelRunner) -> SamplingArrays:
         """Stamp first-scheduled times and lay out each sequence's sampling row (params, seed, position)."""
@@ -352,9 +373,11 @@ class LLMEngine:
                                  first_token_time=req.first_token_time, finish_time=req.finish_time,
                                  token_times=list(req.token_times), num_cached_tokens=cached,
                                  num_preemptions=req.num_preemptions, **spec_metrics(req))
+        prompt_lp = list(tracked.prompt_logprobs) if tracked.prompt_logprobs is not None else None
         return RequestOutput(request_id=req.request_id, prompt=tracked.prompt,
                              prompt_token_ids=req.prompt_token_ids, outputs=[completion],
-                             finished=status.finished, metrics=metrics, num_cached_tokens=cached)
+                             finished=status.finished, metrics=metrics, num_cached_tokens=cached,
+                             prompt_logprobs=prompt_lp)
 
     def set_step_budget(self, max_num_batched_tokens: int, chunk_size: int | None = None) -> None:
         """Change the per-step token budget (and prefill chunk) of a running engine, within its buckets."""

@@ -117,7 +117,8 @@ class KVCacheManager:
         holding = self._held[req.request_id] = _Holding(req)
         req.page_ids = []
         req.num_computed_tokens = 0
-        if self.tree is not None:
+        # Prompt logprobs need every prompt row computed: such a request reads no cached KV (it still caches its own).
+        if self.tree is not None and req.sampling_params.prompt_logprobs is None:
             match = self.tree.match_prefix(req.all_token_ids[: req.num_tokens - 1], req.cache_salt)
             self.tree.lock(match.node)
             holding.node, holding.num_tree_pages = match.node, len(match.page_ids)

@@ -29,7 +29,7 @@ from jaxserve.runner.parallel import (
     shard_model,
 )
 from planner.memory import GIB, activation_bytes, kv_bytes_per_token, kv_pool_pages, weight_bytes_per_device
-from planner.model_spec import ModelSpec
+from planner.model_spec import ModelSpec, resolve_model_path
 
 CPU_DEFAULT_KV_BYTES = 1 * GIB
 _DTYPE_NAMES = {jnp.dtype(jnp.float32): "fp32", jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "fp16"}
@@ -60,7 +60,8 @@ def load_model(config: EngineConfig, spec: ModelSpec, dtype: jnp.dtype,
     local = mesh is not None and all(d.process_index == jax.process_index() for d in mesh.devices.flat)
     direct = local and all(n % tp == 0 for n in (spec.num_kv_heads, spec.vocab_size, spec.intermediate_size,
                                                  spec.moe_intermediate_size))
-    return load_checkpoint(os.path.expanduser(config.model), spec, dtype, mesh=mesh if direct else None)
+    path = os.path.expanduser(resolve_model_path(config.model))
+    return load_checkpoint(path, spec, dtype, mesh=mesh if direct else None)
 
 
 def kv_budget_bytes(config: EngineConfig, spec: ModelSpec, dtype_name: str,

@@ -31,6 +31,7 @@ from jaxserve.model.attention.select import select_backend
 from jaxserve.model.kernels import kernel_choice
 from jaxserve.model.kernels.kernel_plan import KernelPlan
 from jaxserve.runner.parallel import AXIS, fit_spec, params_shardings, put_global, replicated
+from jaxserve.runner.prompt_logprobs import PromptHead, PromptRows
 from jaxserve.runner.sampler import Sampler, SamplingArrays, sample_tokens
 
 WARM_REAL_TOKENS = 512  # warm-up runs buckets up to this size once with real work
@@ -97,6 +98,7 @@ class StepResult:
     logprobs: np.ndarray  # [S] float32, of the drawn token
     top_ids: np.ndarray | None  # [S, K] when logprobs were asked for
     top_logprobs: np.ndarray | None
+    prompt_logprobs: list[np.ndarray] | None = None  # PromptHead.compute's arrays when prompt rows were asked for
 
 
 class ModelRunner:
@@ -135,6 +137,7 @@ class ModelRunner:
         self.attention = select_backend(attention_backend, self.platform, k0.dtype, k0.shape[3], page_size,
                                         cpu_kernels=self.cpu_kernels, num_devices=len(sharding.device_set))
         wide = dict(compiler_options=CPU_SEPARATE_DOTS_OPTIONS) if self.platform == "cpu" else {}
+        self.prompt_head = PromptHead(self, CPU_SEPARATE_DOTS_OPTIONS if wide else {})  # jitted on first use
         if self.mesh is None:  # plain single-device arrays
             self._replicated = None
             self._forward = jax.jit(self._forward_impl, donate_argnums=(1,))
@@ -166,7 +169,7 @@ class ModelRunner:
         return NamedSharding(self.mesh, fit_spec(P(None, None, None, None, AXIS, None), shape, self.mesh))
 
     # Jitted bodies -------------------------------------------------------------------------------------------
-    def _forward_impl(self, param_leaves, kv_caches, packed, prev_tokens):
+    def _forward_impl(self, param_leaves, kv_caches, packed, prev_tokens, all_rows: bool = False):
         token_ids, positions, meta, logits_indices = self._unpack(packed)
         # A placeholder stands for what a sequence of the previous step drew, still on the device.
         drawn = prev_tokens[jnp.clip(placeholder_seq(token_ids), 0, prev_tokens.shape[0] - 1)]
@@ -174,7 +177,7 @@ class ModelRunner:
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._param_tree, param_leaves))
         hidden, kv_caches = model(token_ids, positions, kv_caches, meta, cpu_kernel=self.cpu_kernels,
                                   attention=self.attention, plan=self.kernel_plan)
-        return hidden[logits_indices], kv_caches
+        return (hidden[logits_indices], hidden, kv_caches) if all_rows else (hidden[logits_indices], kv_caches)
 
     def _sample_impl(self, param_leaves, hidden_rows, temperature, top_k, top_p, min_p, seed, step, want_logprobs):
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._param_tree, param_leaves))
@@ -244,12 +247,13 @@ class ModelRunner:
             return tree
         return jax.tree.map(lambda x: put_global(x, self._replicated), tree)
 
-    def dispatch(self, batch: RaggedBatch, sampling: SamplingArrays, prev: Any = None) -> Any:
+    def dispatch(self, batch: RaggedBatch, sampling: SamplingArrays, prev: Any = None,
+                 prompt_rows: PromptRows | None = None) -> Any:
         """Enqueue the forward and the sampler for `batch`; returns device futures for `collect`.
 
         `prev` is the previous `dispatch`'s futures when `batch` holds placeholder token ids
         (`core.batch.placeholder`: the token sequence s of that step draws); the forward reads them on the device,
-        so the host need not wait.
+        so the host need not wait. `prompt_rows`: also the logprobs of those prefill rows (prompt_logprobs.py).
         """
         if batch.num_seqs > self.max_num_seqs:
             raise ValueError(f"batch of {batch.num_seqs} sequences exceeds max_num_seqs={self.max_num_seqs}")
@@ -257,12 +261,13 @@ class ModelRunner:
             self.step_hook(batch, sampling)
         num_tokens = bucket_for(batch.num_tokens, self.token_buckets)
         prev_tokens = self._no_prev if prev is None else prev[0]
-        hidden_rows, self.kv_caches = self._forward_for(num_tokens)(self.param_leaves, self.kv_caches,
-                                                                    self._device_inputs(batch, num_tokens),
-                                                                    prev_tokens)
+        forward = self._forward_for(num_tokens) if prompt_rows is None else self.prompt_head.forward_for(num_tokens)
+        hidden_rows, *every_row, self.kv_caches = forward(self.param_leaves, self.kv_caches,
+                                                          self._device_inputs(batch, num_tokens), prev_tokens)
         rows = self._put((sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed,
                           sampling.step, np.bool_(sampling.want_logprobs)))
-        return self._sample(self.param_leaves, hidden_rows, *rows, requests=batch.requests)
+        drawn = self._sample(self.param_leaves, hidden_rows, *rows, requests=batch.requests)
+        return drawn if prompt_rows is None else (*drawn, self.prompt_head.compute(every_row[0], prompt_rows))
 
     @staticmethod
     def is_ready(pending: Any) -> bool:
@@ -276,11 +281,12 @@ class ModelRunner:
     def collect(self, pending: Any, batch: RaggedBatch, sampling: SamplingArrays) -> StepResult:
         """Wait for a dispatched step and copy what it drew to the host (the top logprobs only when asked for)."""
         s = batch.num_seqs
+        prompt = _to_host(pending[4]) if len(pending) > 4 else None  # dispatch's prompt_rows
         if not sampling.want_logprobs:
             tokens, logprobs = _to_host(pending[:2])
-            return StepResult(tokens[:s], logprobs[:s], None, None)
-        tokens, logprobs, top_ids, top_lp = _to_host(pending)
-        return StepResult(tokens[:s], logprobs[:s], top_ids[:s], top_lp[:s])
+            return StepResult(tokens[:s], logprobs[:s], None, None, prompt)
+        tokens, logprobs, top_ids, top_lp = _to_host(pending[:4])
+        return StepResult(tokens[:s], logprobs[:s], top_ids[:s], top_lp[:s], prompt)
 
     def sampling_bucket(self, num_seqs: int) -> int:
         return bucket_for(num_seqs, self.seq_buckets)
@@ -354,7 +360,7 @@ class ModelRunner:
     def compile_count(self) -> int:
         """Compiled variants of the step functions so far (grows only when a new shape appears)."""
         fns = {id(f): f for f in (self._forward, self._forward_wide, self._sample, self._gather, self._insert)}
-        return sum(f._cache_size() for f in fns.values())
+        return sum(f._cache_size() for f in fns.values()) + self.prompt_head.compile_count()
 
 
 def _trash_prefill(num_tokens: int, page_size: int, max_seqs: int = 1, max_len: int = 0,

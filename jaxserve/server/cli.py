@@ -17,7 +17,7 @@ from typing import Any
 import click
 import uvicorn
 
-from jaxserve.engine.args import config_from_options, engine_options, parse_bytes
+from jaxserve.engine.args import config_from_options, parse_bytes, serving_engine_options
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.server.app import build_app
 from jaxserve.server.limits import ServerLimits
@@ -76,7 +76,7 @@ def _limit_options(f: Any) -> Any:
 
 
 @click.command("serve")
-@engine_options
+@serving_engine_options
 @_limit_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on.")
@@ -87,7 +87,7 @@ def _limit_options(f: Any) -> Any:
               type=click.Choice(["critical", "error", "warning", "info", "debug", "trace"]))
 def serve(host: str, port: int, served_model_name: str | None, log_interval: float, uvicorn_log_level: str,
           **options: Any) -> None:
-    """Serve a model over an OpenAI-compatible HTTP API (with no --model: the synthetic preset)."""
+    """Serve a model over an OpenAI-compatible HTTP API (with no --model: bard, the trained model that ships)."""
     names = ("api_keys", "max_request_body_bytes", "max_prompts_per_request", "max_num_waiting", "request_timeout",
              "stream_buffer_tokens", "request_read_timeout")
     try:
