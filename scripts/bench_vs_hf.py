@@ -27,13 +27,21 @@ kernels on an AVX-512 machine (same cores, half the vector width: an emulation o
 torch's own code still use AVX-512); `--no-cpu-kernels` keeps jaxserve in XLA's code.
 
     python scripts/bench_vs_hf.py --batches 1 --prompt-len 128 --kernel-variant avx2
+
+`--llamacpp --llamacpp-src DIR` adds llama.cpp as a second peer (scripts/llamacpp_peer.py): HF's model converted
+to GGUF F32 by llama.cpp's own converter (DIR: llama.cpp's source, e.g. llama-cpp-python's sdist's
+`vendor/llama.cpp`), all of a row's sequences decoded in one llama.cpp batch, greedy, with `--threads` threads.
+
+    python scripts/bench_vs_hf.py --batches 1,16 --llamacpp --llamacpp-src /tmp/llama.cpp
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -74,6 +82,37 @@ def decode_floor(spec, batch: int, mean_context: float, bandwidth: float, tpot_s
             "tpot_over_floor": tpot_s / floor}
 
 
+def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """HF's greedy continuation of each prompt."""
+    import torch
+
+    ids = torch.tensor(prompts)
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return out[:, ids.shape[1]:].tolist()
+
+
+def llamacpp_rows(hf, rows: list[dict], prompt_sets: list[list[list[int]]], args) -> None:
+    """Convert HF's model to GGUF F32 and time llama.cpp on each row's prompts (one warm run first). The first 16
+    greedy tokens are checked against HF's, so the figures are of the same model."""
+    from llamacpp_peer import LlamaCppRunner, convert_to_gguf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = convert_to_gguf(hf, Path(tmp), Path(args.llamacpp_src))
+        for row, prompts in zip(rows, prompt_sets, strict=True):
+            runner = LlamaCppRunner(gguf, len(prompts), args.prompt_len + args.new_tokens, args.threads)
+            runner.generate(prompts, 2)  # warm
+            res = runner.generate(prompts, args.new_tokens)
+            runner.close()
+            ref = hf_greedy(hf, prompts, 16)
+            same = sum(a == b for r, o in zip(ref, runner.tokens, strict=True) for a, b in zip(r, o[:16], strict=True))
+            row.update(res, llamacpp_first16_match_hf=same / (16 * len(prompts)),
+                       llamacpp_tokens_per_s=row["batch"] * args.new_tokens / res["llamacpp_e2e_s"],
+                       speedup_vs_llamacpp_e2e=res["llamacpp_e2e_s"] / row["jaxserve_e2e_s"])
+            print(json.dumps(row), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="small")
@@ -91,10 +130,14 @@ def main() -> None:
     ap.add_argument("--kernel-variant", default="native", choices=("native", "avx2", "portable"),
                     help="which build of jaxserve's CPU kernels to load (cpu_kernels.VARIANTS)")
     ap.add_argument("--no-cpu-kernels", action="store_true", help="jaxserve in XLA's code only")
+    ap.add_argument("--llamacpp", action="store_true", help="also llama.cpp (llama-cpp-python) on a GGUF F32 copy")
+    ap.add_argument("--llamacpp-src", default=None, help="llama.cpp's source folder (convert_hf_to_gguf.py, gguf-py)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
+    if args.llamacpp and not (args.llamacpp_src and Path(args.llamacpp_src, "convert_hf_to_gguf.py").exists()):
+        ap.error("--llamacpp needs --llamacpp-src pointing at llama.cpp's source (with convert_hf_to_gguf.py)")
 
     from jaxserve import LLM, SamplingParams
     from jaxserve.calibrate.microbench import measure_bandwidth
@@ -147,16 +190,21 @@ def main() -> None:
         rows.append(row)
         if args.skip_hf:
             print(json.dumps(row), flush=True)
-    if not args.skip_hf:
+    if not args.skip_hf or args.llamacpp:
         del llm
         hf = hf_model(spec, args.threads)
+    if not args.skip_hf:
         for row, prompts in zip(rows, prompt_sets, strict=True):
             hf_run(hf, prompts, 2)  # warm
             e2e = hf_run(hf, prompts, args.new_tokens)
             prefill = hf_run(hf, prompts, 1)
             row.update(hf_e2e_s=e2e, hf_tpot_ms=(e2e - prefill) / (args.new_tokens - 1) * 1e3,
-                       hf_tokens_per_s=row["batch"] * args.new_tokens / e2e, speedup_e2e=e2e / row["jaxserve_e2e_s"])
-            print(json.dumps(row), flush=True)
+                       hf_prefill_s=prefill, hf_tokens_per_s=row["batch"] * args.new_tokens / e2e,
+                       speedup_e2e=e2e / row["jaxserve_e2e_s"])
+            if not args.llamacpp:
+                print(json.dumps(row), flush=True)
+    if args.llamacpp:
+        llamacpp_rows(hf, rows, prompt_sets, args)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"model": args.model, "async_scheduling": args.async_scheduling, **machine,

@@ -1,0 +1,121 @@
+"""llama.cpp as a second CPU peer for `bench_vs_hf.py`: the HF model written as a checkpoint, converted to GGUF F32
+by llama.cpp's own converter, and run through llama-cpp-python's low-level API with every sequence in one batch.
+
+Needs `llama-cpp-python` built from source for this CPU (`CMAKE_ARGS="-DGGML_NATIVE=ON" pip install
+--no-binary :all: llama-cpp-python`), `sentencepiece` (the converter imports it) and llama.cpp's
+`convert_hf_to_gguf.py` with its `gguf-py` (both in that source distribution, under `vendor/llama.cpp`;
+`--llamacpp-src` points there).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+SPECIAL = ["<unk>", "<s>", "</s>"]
+
+
+def write_llama_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A Llama-2-style BPE tokenizer (byte fallback, `<0xNN>` byte tokens) of exactly `vocab_size` entries, the form
+    llama.cpp's converter reads as a "llama" vocabulary. The benchmark feeds token ids, so the rest of the
+    vocabulary is filler."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {t: i for i, t in enumerate(SPECIAL)}
+    vocab.update({f"<0x{b:02X}>": len(SPECIAL) + b for b in range(256)})
+    vocab.update({f"\u2581t{i}": i for i in range(len(vocab), vocab_size)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "add_bos_token": True, "add_eos_token": False, "model_max_length": 8192}))
+
+
+def convert_to_gguf(hf_model, folder: Path, llamacpp_src: Path) -> Path:
+    """Save `hf_model` (a transformers LlamaForCausalLM) into `folder` with a Llama tokenizer and convert it with
+    llama.cpp's converter to `folder/model-f32.gguf`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    hf_model.save_pretrained(folder)
+    write_llama_tokenizer(folder, hf_model.config.vocab_size)
+    out = folder / "model-f32.gguf"
+    env_path = str(llamacpp_src / "gguf-py")
+    subprocess.run([sys.executable, str(llamacpp_src / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32",
+                    "--outfile", str(out)], check=True, capture_output=True, text=True,
+                   env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"})
+    return out
+
+
+class LlamaCppRunner:
+    """One llama.cpp context that decodes up to `max_seqs` sequences together, greedy, with `threads` threads."""
+
+    def __init__(self, gguf: Path, max_seqs: int, max_len: int, threads: int) -> None:
+        import llama_cpp as lc
+
+        self.lc = lc
+        lc.llama_backend_init()
+        mparams = lc.llama_model_default_params()
+        self.model = lc.llama_model_load_from_file(str(gguf).encode(), mparams)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {gguf}")
+        self.vocab_size = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
+        cparams = lc.llama_context_default_params()
+        cparams.n_ctx = max_seqs * max_len
+        cparams.n_batch = cparams.n_ubatch = max(512, max_seqs * max_len)
+        cparams.n_seq_max = max_seqs
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.kv_unified = True  # every sequence shares one KV buffer of n_ctx cells
+        self.ctx = lc.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp could not create a context")
+        self.batch = lc.llama_batch_init(cparams.n_batch, 0, max_seqs)
+
+    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
+        """One llama_decode over (token, position, sequence, wants logits) entries."""
+        b = self.batch
+        for i, (tok, pos, seq, logits) in enumerate(entries):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, logits
+            b.seq_id[i][0] = seq
+        b.n_tokens = len(entries)
+        if self.lc.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def _argmax(self, i: int) -> int:
+        ptr = self.lc.llama_get_logits_ith(self.ctx, i)
+        return int(np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
+                                         shape=(self.vocab_size,)).argmax())
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
+        """Greedy `new_tokens` for every prompt, all sequences in each batch: prompt-processing time (the prompts'
+        one batch and its first tokens), the time of the rest and the TPOT over it. The tokens drawn are left in
+        `self.tokens` (one list per prompt)."""
+        self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
+        entries = [(t, p, s, p == len(pr) - 1) for s, pr in enumerate(prompts) for p, t in enumerate(pr)]
+        t0 = time.perf_counter()
+        self._decode(entries)
+        rows = [i for i, e in enumerate(entries) if e[3]]
+        last = [self._argmax(i) for i in rows]
+        self.tokens = [[t] for t in last]
+        t1 = time.perf_counter()
+        for step in range(1, new_tokens):
+            self._decode([(tok, len(pr) + step - 1, s, True) for s, (tok, pr) in enumerate(zip(last, prompts,
+                                                                                                 strict=True))])
+            last = [self._argmax(i) for i in range(len(prompts))]
+            for out, t in zip(self.tokens, last, strict=True):
+                out.append(t)
+        t2 = time.perf_counter()
+        return {"llamacpp_prefill_s": t1 - t0, "llamacpp_e2e_s": t2 - t0,
+                "llamacpp_tpot_ms": (t2 - t1) / max(1, new_tokens - 1) * 1e3}
+
+    def close(self) -> None:
+        self.lc.llama_batch_free(self.batch)
+        self.lc.llama_free(self.ctx)
+        self.lc.llama_model_free(self.model)
