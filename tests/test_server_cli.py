@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from cli_helpers import run_cli
 from server_helpers import free_port, scrape, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,9 +47,8 @@ def _stderr_lines(proc: subprocess.Popen) -> queue.Queue[str]:
     (["--no-such-flag"], "--no-such-flag"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(args: list[str], mentions: str) -> None:
-    proc = _launch(*args)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 2
+    code, err = run_cli("serve", *args)
+    assert code == 2
     assert len(err.strip().splitlines()) == 1 and mentions in err, err
 
 

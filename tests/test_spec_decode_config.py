@@ -1,9 +1,7 @@
 """`--speculative-config`: vLLM's JSON, one dataclass, one-line errors (exit 2 on the command line)."""
 
-import subprocess
-import sys
-
 import pytest
+from cli_helpers import run_cli
 
 from jaxserve.core.engine_config import EngineConfig
 from jaxserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
@@ -50,10 +48,9 @@ def test_speculation_refuses_the_asynchronous_loops():
 
 @pytest.mark.parametrize("value", ["{oops", '{"method": "ngram", "num_speculative_tokens": 2, "x": 1}'])
 def test_the_flag_exits_2_with_one_line(value):
-    r = subprocess.run([sys.executable, "-m", "jaxserve", "generate", "--model", "tiny", "--prompt", "hi",
-                        "--speculative-config", value], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: speculative_config"), r.stderr
+    code, err = run_cli("generate", "--model", "tiny", "--prompt", "hi", "--speculative-config", value)
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: speculative_config"), err
 
 
 def test_ngram_lookup_proposes_what_followed_the_longest_match():
