@@ -7,6 +7,8 @@ from typing import Any
 
 from jaxserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
+# `--quantization`: the weight formats jaxserve/model/quantize.py can run.
+QUANTIZATIONS = ("int8",)
 # `--attention-backend`: auto picks at start-up (jaxserve/model/attention/select.py); the others force one.
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas")
 
@@ -43,6 +45,9 @@ class EngineConfig:
     cpu_kernels: bool = True
     # Paged attention's implementation; the engine replaces "auto" by what it resolved to at start-up.
     attention_backend: str = "auto"
+    # vLLM's --quantization: None keeps `dtype`; "int8" stores every projection weight as int8 codes with
+    # per-output-channel scales (model/quantize.py).
+    quantization: str | None = None
     tensor_parallel_size: int = 1
     device_ids: tuple[int, ...] = field(default_factory=tuple)  # indices into jax.devices(); empty: the first tp
     # Disaggregated serving: a prefill pool on the first `prefill_devices` devices, a decode pool on the next
@@ -101,6 +106,10 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization is not None and (self.tensor_parallel_size > 1 or self.disaggregate):
+            raise ValueError("quantization runs on one device (not with tensor_parallel_size > 1 or disaggregate)")
         if self.scheduling_policy not in ("fcfs", "lpm"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}")
 

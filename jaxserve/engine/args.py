@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from jaxserve.core.engine_config import ATTENTION_BACKENDS, EngineConfig
+from jaxserve.core.engine_config import ATTENTION_BACKENDS, QUANTIZATIONS, EngineConfig
 from jaxserve.engine.factory import create_engine
 from jaxserve.model.dtypes import RUNTIME_DTYPES
 
@@ -80,6 +80,9 @@ _OPTIONS = [
                  type=click.Choice(ATTENTION_BACKENDS),
                  help="Paged attention: auto (the C++ kernel on a CPU, the Pallas kernel on an NVIDIA GPU, where "
                       "they can run), reference (jnp), cpu, or pallas (on a CPU: interpreted, tests only)."),
+    click.option("--quantization", default=None, type=click.Choice(QUANTIZATIONS),
+                 help="Weight quantization at load: int8 stores every projection as int8 codes with per-output-channel "
+                      "float32 scales (embedding and LM head stay in --dtype); default: none."),
     click.option("--tensor-parallel-size", "-tp", default=1, show_default=True, type=click.IntRange(min=1),
                  help="Devices the model is sharded over (mesh axis tp); the first N devices."),
     click.option("--disaggregate/--no-disaggregate", default=False, show_default=True,
@@ -117,7 +120,7 @@ def serving_engine_options(fn: Callable) -> Callable:
 ENGINE_OPTION_NAMES = ("model", "dtype", "seed", "max_num_seqs", "max_num_batched_tokens", "chunk_size",
                        "page_size", "kv_cache_memory", "gpu_memory_utilization", "max_model_len",
                        "enable_prefix_caching", "scheduling_policy", "async_scheduling", "num_scheduler_steps",
-                       "speculative_config", "cpu_kernels", "attention_backend",
+                       "speculative_config", "cpu_kernels", "attention_backend", "quantization",
                        "tensor_parallel_size", "disaggregate",
                        "prefill_devices", "decode_devices", "max_pending_transfers", "coordinator_address",
                        "num_processes", "process_id")

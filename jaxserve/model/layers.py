@@ -10,6 +10,7 @@ from jax import lax
 
 from jaxserve.model.kernels import cpu_matmul
 from jaxserve.model.kernels.kernel_plan import KernelPlan
+from jaxserve.model.quantize import QuantizedWeight, quantized_matmul
 from planner.model_spec import ModelSpec
 
 # Token counts up to which a CPU step's projections go to Eigen rather than YNNPACK (`linear`); see docs/tuning.md.
@@ -33,7 +34,8 @@ def normals(key: jax.Array, shapes_stds: tuple[tuple[tuple[int, ...], float], ..
             for shape, std in shapes_stds]
 
 
-def linear(x: jax.Array, w: jax.Array, cpu_kernel: bool = False, plan: KernelPlan | None = None) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array | QuantizedWeight, cpu_kernel: bool = False,
+           plan: KernelPlan | None = None) -> jax.Array:
     """x [T, in] times w [in, ...] -> [T, ...], on a CPU routed to the matmul that is fastest for T rows.
 
     With `cpu_kernel`, float32 steps of up to `cpu_matmul.MAX_ROWS` rows go to jaxserve's C++ kernel, which
@@ -41,9 +43,12 @@ def linear(x: jax.Array, w: jax.Array, cpu_kernel: bool = False, plan: KernelPla
     counts it names (those measured faster in the kernel on this machine). Otherwise XLA's CPU backend gives
     dots to YNNPACK, and Eigen runs the 2-16-row GEMMs of decode steps faster (docs/tuning.md). YNNPACK declines
     a dot whose left operand is column-major, so for those row counts x goes in transposed, behind an
-    optimization barrier that keeps XLA from folding the transpose back into the dot.
+    optimization barrier that keeps XLA from folding the transpose back into the dot. An int8 `QuantizedWeight`
+    (`--quantization int8`) is multiplied as codes, its scales applied to the output (`quantize.quantized_matmul`).
     """
     t = x.shape[0]
+    if isinstance(w, QuantizedWeight):
+        return quantized_matmul(x, w)
     if cpu_kernel and (plan is None or plan.matmul(t)) and cpu_matmul.supports(x, w):
         return cpu_matmul.cpu_matmul(x, w)
     if 2 <= t <= CPU_EIGEN_MAX_ROWS and jax.default_backend() == "cpu":

@@ -20,6 +20,7 @@ from jaxserve.core.engine_config import EngineConfig
 from jaxserve.model.checkpoint import load_checkpoint
 from jaxserve.model.dtypes import resolve_dtype
 from jaxserve.model.llama import KVCaches, LlamaForCausalLM, kv_pool_layout
+from jaxserve.model.quantize import quantize_model
 from jaxserve.runner.parallel import (
     effective_spec,
     kv_sharding,
@@ -122,6 +123,8 @@ def build_model_and_cache(config: EngineConfig, spec: ModelSpec) -> BuiltModel:
     model = load_model(config, spec, dtype, mesh)
     replicate_kv_heads(model, spec, tp)
     shard_model(model, mesh)
+    if config.quantization:  # after placement: one device (EngineConfig refuses tp > 1), codes stay where W was
+        quantize_model(model, config.quantization)
     kv_caches = init_sharded_kv_cache(run_spec, num_pages, config.page_size, dtype, mesh)
     return BuiltModel(model=model, kv_caches=kv_caches, dtype=jnp.dtype(dtype), num_pages=num_pages,
                       max_model_len=max_model_len, mesh=mesh, spec=run_spec)
