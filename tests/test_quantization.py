@@ -18,6 +18,7 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.tokenizer import load_tokenizer
 from jaxserve.eval.perplexity import perplexity
 from jaxserve.eval.windows import read_eval_text
+from jaxserve.model.kernels import cpu_matmul_int8
 from jaxserve.model.layers import linear
 from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.quantize import QuantizedWeight, param_bytes, quantize_int8, quantize_model
@@ -44,6 +45,17 @@ def test_linear_on_codes_equals_the_dequantized_matmul():
     x = jax.random.normal(jax.random.key(1), (5, 64))
     qw = quantize_int8(jax.random.normal(jax.random.key(2), (64, 32)))
     np.testing.assert_allclose(jax.jit(linear)(x, qw), x @ qw.dequantize(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 32])
+def test_the_int8_cpu_kernel_equals_the_dequantized_matmul(rows):
+    x = jax.random.normal(jax.random.key(3), (rows, 96))
+    qw = quantize_int8(jax.random.normal(jax.random.key(4), (96, 2, 64)))
+    assert cpu_matmul_int8.supports(x, qw.q)
+    hlo = jax.jit(lambda x, w: linear(x, w, cpu_kernel=True)).lower(x, qw).as_text()
+    assert cpu_matmul_int8.TARGET in hlo  # the kernel, not XLA's dot over converted codes
+    got = jax.jit(lambda x, w: linear(x, w, cpu_kernel=True))(x, qw)
+    np.testing.assert_allclose(got, jnp.einsum("tk,kab->tab", x, qw.dequantize()), rtol=1e-4, atol=1e-4)
 
 
 def test_the_jitted_matmul_takes_the_int8_codes_as_its_input():

@@ -8,7 +8,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from jaxserve.model.kernels import cpu_matmul
+from jaxserve.model.kernels import cpu_matmul, cpu_matmul_int8
 from jaxserve.model.kernels.kernel_plan import KernelPlan
 from jaxserve.model.quantize import QuantizedWeight, quantized_matmul
 from planner.model_spec import ModelSpec
@@ -44,10 +44,13 @@ def linear(x: jax.Array, w: jax.Array | QuantizedWeight, cpu_kernel: bool = Fals
     dots to YNNPACK, and Eigen runs the 2-16-row GEMMs of decode steps faster (docs/tuning.md). YNNPACK declines
     a dot whose left operand is column-major, so for those row counts x goes in transposed, behind an
     optimization barrier that keeps XLA from folding the transpose back into the dot. An int8 `QuantizedWeight`
-    (`--quantization int8`) is multiplied as codes, its scales applied to the output (`quantize.quantized_matmul`).
+    (`--quantization int8`) is multiplied as codes, its scales applied to the output: in the int8 kernel (codes
+    converted in registers) where the kernel and plan allow, else in XLA (`quantize.quantized_matmul`).
     """
     t = x.shape[0]
     if isinstance(w, QuantizedWeight):
+        if cpu_kernel and (plan is None or plan.matmul(t)) and cpu_matmul_int8.supports(x, w.q):
+            return cpu_matmul_int8.cpu_matmul_int8(x, w.q, w.scale)
         return quantized_matmul(x, w)
     if cpu_kernel and (plan is None or plan.matmul(t)) and cpu_matmul.supports(x, w):
         return cpu_matmul.cpu_matmul(x, w)

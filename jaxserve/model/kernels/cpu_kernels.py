@@ -28,12 +28,13 @@ import jax
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.cc", "cpu_matmul.cc"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.cc", "cpu_matmul.cc",
+                                                                    "cpu_matmul_int8.cc"))
 # included by the sources: part of the build's key
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_pool.h", "cpu_vec.h"))
 # XLA custom-call target -> the handler symbol the library exports for it
 TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention", "jaxserve_matmul": "JaxserveMatmul",
-           "jaxserve_matmul_nt": "JaxserveMatmulNT"}
+           "jaxserve_matmul_nt": "JaxserveMatmulNT", "jaxserve_matmul_int8": "JaxserveMatmulInt8"}
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 BASE_FLAGS = ("-O3", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 # Target flags per build: "native" is this CPU's own; "avx2" (AVX2 + FMA, no AVX-512) and "portable" (plain

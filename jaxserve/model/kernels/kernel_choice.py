@@ -25,9 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.model.kernels import cpu_kernels, cpu_matmul
+from jaxserve.model.kernels import cpu_kernels, cpu_matmul, cpu_matmul_int8
 from jaxserve.model.kernels.kernel_plan import KernelPlan
 from jaxserve.model.llama import linear
+from jaxserve.model.quantize import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,8 @@ def _threads() -> int:
 def signature(weights: Sequence[jax.Array], head: jax.Array, tied: bool) -> str:
     """What the timings depend on beyond the library's key: the matrices' shapes and dtype, and the threads."""
     shapes = Counter("x".join(map(str, w.shape)) for w in weights)
-    return (f"{_threads()} threads {head.dtype} " + " ".join(f"{s}*{n}" for s, n in sorted(shapes.items()))
+    quantized = " int8" if any(isinstance(w, QuantizedWeight) for w in weights) else ""  # float plans keep their key
+    return (f"{_threads()} threads {head.dtype}{quantized} " + " ".join(f"{s}*{n}" for s, n in sorted(shapes.items()))
             + f" head {'x'.join(map(str, head.shape))}{' tied' if tied else ''}")
 
 
@@ -68,11 +70,17 @@ def time_pair(kernel: Callable[..., Any], xla: Callable[..., Any], args: tuple,
     return [float(np.median(ts)) for ts in times]
 
 
-def _measure_matmuls(weights: list[jax.Array], rows: Sequence[int], repeats: int) -> dict[str, list[float]]:
+def _supports(x: jax.ShapeDtypeStruct, w: jax.Array | QuantizedWeight) -> bool:
+    """Whether `linear` would give x @ w to a kernel: the int8 one for quantized weights, else the float one."""
+    return cpu_matmul_int8.supports(x, w.q) if isinstance(w, QuantizedWeight) else cpu_matmul.supports(x, w)
+
+
+def _measure_matmuls(weights: list[jax.Array], rows: Sequence[int], repeats: int,
+                     dtype: jnp.dtype = jnp.float32) -> dict[str, list[float]]:
     """[kernel, XLA] seconds per row count for all of `weights`, each as `linear` runs it."""
     kernel, xla = (jax.jit(lambda xs, ws, k=k: [linear(xs[w.shape[0]], w, k) for w in ws]) for k in (True, False))
     inputs = {w.shape[0] for w in weights}
-    return {str(r): time_pair(kernel, xla, ({n: jnp.ones((r, n), weights[0].dtype) for n in inputs}, weights),
+    return {str(r): time_pair(kernel, xla, ({n: jnp.ones((r, n), dtype) for n in inputs}, weights),
                               repeats) for r in rows}
 
 
@@ -114,7 +122,7 @@ def choose(model: Any, token_buckets: Sequence[int], seq_buckets: Sequence[int],
     weights, head, tied = model_matrices(model)
     supports_head = cpu_matmul.supports_nt if tied else cpu_matmul.supports
     matmul_rows = [r for r in sorted(set(token_buckets)) if any(
-        cpu_matmul.supports(jax.ShapeDtypeStruct((r, w.shape[0]), w.dtype), w) for w in weights)]
+        _supports(jax.ShapeDtypeStruct((r, w.shape[0]), head.dtype), w) for w in weights)]
     head_rows = [r for r in sorted(set(seq_buckets))
                  if supports_head(jax.ShapeDtypeStruct((r, model.embed.shape[1]), head.dtype), head)]
     cache = cache or cpu_kernels.library_path().with_suffix(".plan.json")
@@ -124,7 +132,7 @@ def choose(model: Any, token_buckets: Sequence[int], seq_buckets: Sequence[int],
     missing = [r for r in matmul_rows if str(r) not in entry["matmul"]]
     missing_head = [r for r in head_rows if str(r) not in entry["head"]]
     if missing or missing_head:
-        entry["matmul"].update(_measure_matmuls(weights, missing, repeats))
+        entry["matmul"].update(_measure_matmuls(weights, missing, repeats, head.dtype))
         entry["head"].update(_measure_head(model, missing_head, repeats))
         _write(cache, data)
 

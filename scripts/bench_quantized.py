@@ -1,0 +1,108 @@
+"""int8 weights (`--quantization int8`) against float32: the decode step's forward, and quality on a trained model.
+
+    python scripts/bench_quantized.py --model small --batches 1,16
+    python scripts/bench_quantized.py --quality-model bard --skip-speed
+
+Speed: two engines of `--model` (float32, a 256 MiB KV pool), one per variant, each with `--batch` decodes after
+128-token prompts; rounds alternate the variants (one process), so a machine that slows mid-run slows both; the
+figure is the median over rounds of int8's time over float32's. Quality: held-out perplexity of `--quality-model`
+both ways and the fraction of the first 32 greedy positions (8 prompts) before the two diverge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import time
+
+import jax
+import numpy as np
+
+from jaxserve import LLM
+from jaxserve.core.engine_config import EngineConfig
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.tokenizer import load_tokenizer
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.eval.perplexity import perplexity
+from jaxserve.eval.windows import read_eval_text
+from jaxserve.model.quantize import param_bytes
+from jaxserve.runner.model_runner import bucket_for
+
+
+def decode_forward(model: str, batch: int, quantization: str | None):
+    """(a zero-argument function running one engine's jitted decode forward of `batch` requests, parameter bytes)."""
+    engine = LLMEngine(EngineConfig(model=model, max_num_seqs=max(32, batch), kv_cache_memory=256 << 20,
+                                    warmup=False, quantization=quantization))
+    params = SamplingParams(max_tokens=256, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"p{i}", [(i + j) % 1000 + 1 for j in range(128)], params)
+    engine.step()
+    while engine.last_step.num_prefill_tokens:
+        engine.step()
+    runner, step = engine.runner, engine.scheduler.schedule()
+    packed = runner._device_inputs(step, bucket_for(step.num_tokens, runner.token_buckets))
+
+    def forward():
+        hidden, runner.kv_caches = runner._forward(runner.param_leaves, runner.kv_caches, packed, runner._no_prev)
+        return hidden
+
+    jax.block_until_ready(forward())
+    return forward, param_bytes(runner.param_leaves)
+
+
+def speed(model: str, batch: int, rounds: int, calls: int) -> None:
+    variants = (None, "int8")
+    built = [decode_forward(model, batch, q) for q in variants]
+    medians: list[list[float]] = [[], []]
+    for _ in range(rounds):
+        for (forward, _), ms in zip(built, medians, strict=True):
+            times = []
+            for _ in range(calls):
+                t = time.perf_counter()
+                jax.block_until_ready(forward())
+                times.append(time.perf_counter() - t)
+            ms.append(float(np.median(times)) * 1e3)
+    ratio = float(np.median(np.array(medians[1]) / np.array(medians[0])))
+    print(f"{model}, {batch} decodes: float32 {np.median(medians[0]):.2f} ms ({built[0][1] / 2**20:.1f} MiB of "
+          f"parameters), int8 {np.median(medians[1]):.2f} ms ({built[1][1] / 2**20:.1f} MiB): int8/fp32 = "
+          f"{ratio:.3f} (median of {rounds} rounds' ratios; fp32 rounds {', '.join(f'{m:.2f}' for m in medians[0])};"
+          f" int8 rounds {', '.join(f'{m:.2f}' for m in medians[1])})")
+
+
+def quality(model: str) -> None:
+    ids = load_tokenizer(model).encode(read_eval_text(model, "held-out"), add_special_tokens=False)[:3000]
+    engine = dict(max_num_seqs=8, max_num_batched_tokens=128, chunk_size=128, kv_cache_memory=4 << 20)
+    llms = [LLM(model, **engine), LLM(model, quantization="int8", **engine)]
+    ppl = [perplexity(llm.engine, ids, 200).perplexity for llm in llms]
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompts = [ids[i:i + 16] for i in range(0, 8 * 64, 64)]
+    outs = [[o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] for llm in llms]
+    same = sum(next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
+               for x, y in zip(*outs, strict=True))
+    exact = sum(a == b for x, y in zip(*outs, strict=True) for a, b in zip(x, y, strict=True))
+    print(f"{model}: held-out perplexity float32 {ppl[0]:.4f}, int8 {ppl[1]:.4f} ({ppl[1] / ppl[0] - 1:+.3%}); "
+          f"greedy: {same}/{8 * 32} positions before the first divergence, {exact}/{8 * 32} positions equal")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=15)
+    ap.add_argument("--quality-model", default="bard")
+    ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--skip-quality", action="store_true")
+    args = ap.parse_args()
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    name = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "?")
+    print(f"CPU: {name}, {len(jax.devices())} device(s), jax {jax.__version__}")
+    if not args.skip_quality:
+        quality(args.quality_model)
+    if not args.skip_speed:
+        for batch in (int(b) for b in args.batches.split(",")):
+            speed(args.model, batch, args.rounds, args.calls)
+
+
+if __name__ == "__main__":
+    main()
