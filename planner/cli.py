@@ -16,6 +16,7 @@ from planner.model_spec import PRESETS, ModelSpecError
 from planner.search import ConfigError
 
 DTYPES = ["bf16", "fp16", "fp8", "int8", "int4", "fp32"]
+QUANTIZED_WEIGHTS = ["int8", "fp8"]  # vLLM's --quantization names the planner prices as the weights' dtype
 
 
 def _positive(name: str, value: float | None) -> None:
@@ -46,6 +47,10 @@ def _positive(name: str, value: float | None) -> None:
 @click.option("--page-size", default=16, show_default=True, type=int, help="KV page size in tokens.")
 @click.option("--dtype", default="bf16", show_default=True, type=click.Choice(DTYPES), help="Weight dtype.")
 @click.option("--kv-dtype", default=None, type=click.Choice(DTYPES), help="KV-cache dtype (default: --dtype).")
+@click.option("--quantization", default=None, type=click.Choice(QUANTIZED_WEIGHTS),
+              help="vLLM's name: the weights' stored dtype (int8 or fp8), in place of --dtype.")
+@click.option("--kv-cache-dtype", default="auto", show_default=True, type=click.Choice(("auto", *DTYPES)),
+              help="vLLM's name for --kv-dtype (auto: the weights' dtype).")
 @click.option("--gpu-memory-utilization", default=0.9, show_default=True, type=float,
               help="Fraction of device memory for weights + workspace + KV.")
 @click.option("--num-scheduler-steps", default=1, show_default=True, type=int,
@@ -63,13 +68,19 @@ def _positive(name: str, value: float | None) -> None:
 def plan(model: str, hardware: str, num_devices: int | None, input_len: int, output_len: int, spread: float,
          prefix_hit: float, request_rate: float | None, concurrency: float | None, ttft_slo_ms: float | None,
          tpot_slo_ms: float | None, tp: int | None, max_num_seqs: int | None, chunk_size: int | None,
-         page_size: int, dtype: str, kv_dtype: str | None, gpu_memory_utilization: float,
-         num_scheduler_steps: int, speculative_k: int | None, acceptance: float | None, speculative_method: str,
+         page_size: int, dtype: str, kv_dtype: str | None, quantization: str | None, kv_cache_dtype: str,
+         gpu_memory_utilization: float, num_scheduler_steps: int, speculative_k: int | None,
+         acceptance: float | None, speculative_method: str,
          draft_model: str | None, disaggregate: bool,
          simulate: bool, as_json: bool, top: int) -> None:
     """Plan a deployment: TP, replicas, max_num_seqs, chunk size, and the TTFT/TPOT users will see."""
     if num_devices is None:
         num_devices = tp if tp and tp > 0 else 1
+    dtype = quantization or dtype
+    if kv_cache_dtype != "auto":
+        if kv_dtype is not None and kv_dtype != kv_cache_dtype:
+            raise click.UsageError(f"--kv-dtype {kv_dtype} and --kv-cache-dtype {kv_cache_dtype} disagree; give one")
+        kv_dtype = kv_cache_dtype
     if request_rate is not None and concurrency is not None:
         raise click.UsageError("give --request-rate or --concurrency, not both")
     for name, v in [("--num-devices", num_devices), ("--input-len", input_len), ("--output-len", output_len),
