@@ -9,6 +9,8 @@ through them.
 from __future__ import annotations
 
 import os
+import subprocess
+from pathlib import Path
 
 import click
 import jax.numpy as jnp
@@ -47,12 +49,23 @@ def every_row_llm() -> LLM:
     return planned_llm(every, every)
 
 
-def test_a_built_library_is_reused():
-    first = cpu_kernels.build()  # the user cache the engines of this session built (or a first build)
+def test_a_built_library_is_reused(tmp_path, monkeypatch):
+    compiles = []
+
+    def fake_run(cmd, **kwargs):  # a compiler that writes its output at once: the cache logic, not g++, is tested
+        if "--version" in cmd:
+            return subprocess.CompletedProcess(cmd, 0, stdout="fake c++ 1.0\n", stderr="")
+        compiles.append(cmd)
+        Path(cmd[cmd.index("-o") + 1]).write_bytes(b"library")
+        return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
+
+    monkeypatch.setattr(cpu_kernels.subprocess, "run", fake_run)
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: "c++")
+    first = cpu_kernels.build(tmp_path)
     stamp = os.stat(first).st_mtime_ns
-    assert cpu_kernels.build() == first and os.stat(first).st_mtime_ns == stamp
-    leftovers = [p.name for p in first.parent.iterdir() if not p.name.startswith("cpu_kernels-")]
-    assert not leftovers  # no temporary file left behind
+    assert cpu_kernels.build(tmp_path) == first and os.stat(first).st_mtime_ns == stamp
+    assert len(compiles) == 1  # the second call found the library
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left behind
 
 
 def test_single_device_engines_run_in_the_kernels(every_row_llm):
