@@ -67,7 +67,8 @@ def test_the_jitted_matmul_takes_the_int8_codes_as_its_input():
 def test_quantize_model_replaces_every_projection_and_quarters_their_bytes():
     model = LlamaForCausalLM(load_model_spec("tiny"), jnp.float32, rngs=nnx.Rngs(0))
     layer_bytes = param_bytes(nnx.state(model.layers))
-    assert quantize_model(model, "int8") == 4 * model.num_layers
+    assert quantize_model(model, "int8") == 4 * model.num_layers + 1  # and the (tied) head
+    assert isinstance(model.lm_head[...], QuantizedWeight) and model.embed[...].dtype == jnp.float32
     for layer in model.layers:
         for w in (layer.attn.qkv[...], layer.attn.o[...], layer.mlp.gate_up[...], layer.mlp.down[...]):
             assert isinstance(w, QuantizedWeight)

@@ -4,7 +4,8 @@ Each projection's weight W [in, out...] becomes int8 codes Q = round(W / s) with
 channel, s = absmax over the input axis / 127 (symmetric). `QuantizedWeight` holds (Q, s) as one pytree leaf pair
 inside the same `nnx.Param`, so every call site of `layers.linear` is unchanged; the matmul converts Q in the dot's
 operand and applies s to the output (x @ (Q * s) == (x @ Q) * s per column), so no float copy of W is kept.
-The embedding and the LM head stay in the model's float dtype (the embedding is gathered, not multiplied).
+The LM head is quantized too, per vocabulary entry: a tied head gets its own [hidden, vocab] codes (a quarter of the
+embedding's bytes) and the embedding stays in the model's float dtype, since it is gathered, not multiplied.
 """
 
 from __future__ import annotations
@@ -98,8 +99,8 @@ def linear_params(model: nnx.Module) -> list[tuple[nnx.Module, str]]:
 
 
 def quantize_model(model: nnx.Module, method: str) -> int:
-    """Replace every projection weight of `model` by its `method` codes and scales, in place (each float weight
-    is dropped as soon as it is replaced); returns how many weights were quantized."""
+    """Replace every projection weight and the LM head of `model` by their `method` codes and scales, in place
+    (each float weight is dropped as soon as it is replaced); returns how many weights were quantized."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
     params = linear_params(model)
@@ -107,7 +108,11 @@ def quantize_model(model: nnx.Module, method: str) -> int:
     for module, name in params:
         param = getattr(module, name)
         param.set_value(quantize(param.get_value()))
-    return len(params)
+    if model.lm_head is not None:
+        model.lm_head.set_value(quantize(model.lm_head.get_value()))
+    else:  # tied: the head gets its own [hidden, vocab] codes; the float embedding stays for the gather
+        model.lm_head = nnx.data(nnx.Param(quantize(model.embed.get_value().T)))
+    return len(params) + 1
 
 
 def param_bytes(tree: Any) -> int:

@@ -9,6 +9,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
 
 #include "cpu_pool.h"
 #include "cpu_vec.h"
@@ -41,7 +46,17 @@ struct Problem {
   int64_t m, k, n;
 };
 
-inline Vec Codes(const int8_t* p) { return __builtin_convertvector(*reinterpret_cast<const QVec*>(p), Vec); }
+// kLanes codes as floats. GCC 12 lowers __builtin_convertvector from int8 to one scalar convert a lane, so the
+// x86 builds use the sign-extend and convert instructions themselves.
+inline Vec Codes(const int8_t* p) {
+#if JAXSERVE_LANES == 16 && defined(__AVX512F__)
+  return (Vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif JAXSERVE_LANES == 8 && defined(__AVX2__)
+  return (Vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  return __builtin_convertvector(*reinterpret_cast<const QVec*>(p), Vec);
+#endif
+}
 
 // Rows [m0, m0 + MB) of y, columns [c0, c1), over rows [k0, k0 + kb) of q, added to what y holds unless k0 is 0;
 // the last block (`last`) scales the sums as it stores them.
@@ -86,6 +101,44 @@ void Band(const Problem& p, int passes, int64_t c0, int64_t c1) {
   }
 }
 
+// One row of x (a one-request decode step): q's rows are cut into kRowParts contiguous runs claimed by the threads
+// one at a time, each summed into its own partial y, so q streams as long sequential reads; the partials are added
+// and scaled at the end. Column tiles over strided rows read a 5632-column matrix at a third of this rate.
+constexpr int kRowParts = 16;
+constexpr int kMinPartRows = 32;
+
+void RowPart(const Problem& p, int64_t k0, int64_t k1, float* y) {
+  for (int64_t c = 0; c < p.n; c += kLanes) Store(y + c, Vec{});
+  int64_t k = k0;
+  for (; k + 4 <= k1; k += 4) {
+    const int8_t* q = p.q + k * p.n;
+    const float x0 = p.x[k], x1 = p.x[k + 1], x2 = p.x[k + 2], x3 = p.x[k + 3];
+    for (int64_t c = 0; c < p.n; c += kLanes) {
+      Store(y + c, Load(y + c) + x0 * Codes(q + c) + x1 * Codes(q + p.n + c) + x2 * Codes(q + 2 * p.n + c) +
+                       x3 * Codes(q + 3 * p.n + c));
+    }
+  }
+  for (; k < k1; ++k) {
+    for (int64_t c = 0; c < p.n; c += kLanes) Store(y + c, Load(y + c) + p.x[k] * Codes(p.q + k * p.n + c));
+  }
+}
+
+void RunOneRow(ffi::ThreadPool& pool, const Problem& p) {
+  const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kRowParts, p.k / kMinPartRows)));
+  thread_local std::vector<float> partial;  // per calling thread: a step's projections neither allocate nor clear it
+  if (partial.size() < static_cast<size_t>((parts - 1) * p.n)) partial.resize((parts - 1) * p.n);
+  float* y = p.y;
+  float* rest = partial.data();
+  jaxserve::ParallelFor(pool, parts, pool.num_threads(), [p, parts, y, rest](int i) {
+    RowPart(p, p.k * i / parts, p.k * (i + 1) / parts, i == 0 ? y : rest + (i - 1) * p.n);
+  });
+  for (int64_t c = 0; c < p.n; c += kLanes) {
+    Vec sum = Load(y + c);
+    for (int i = 1; i < parts; ++i) sum += Load(rest + (i - 1) * p.n + c);
+    Store(y + c, sum * Load(p.scale + c));
+  }
+}
+
 // Bands per thread: a one-row step reads q at memory speed only with both cores busy to the end, so a thread the
 // OS takes away for a while holds up one small band rather than half the matrix.
 constexpr int kBandsPerThread = 4;
@@ -100,6 +153,10 @@ ffi::Error MatmulInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   if (qd[1] % kTileCols != 0) return ffi::Error::InvalidArgument("matmul_int8: N must be a multiple of the tile (64)");
   const Problem p{x.typed_data(), q.typed_data(), scale.typed_data(), y->typed_data(), xd[0], xd[1], qd[1]};
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  if (p.m == 1) {
+    RunOneRow(pool, p);
+    return ffi::Error::Success();
+  }
   const int64_t units = p.n / kTileCols;
   const int threads = static_cast<int>(std::max<int64_t>(1, pool.num_threads()));
   const int bands = static_cast<int>(std::min<int64_t>(threads * kBandsPerThread, units));

@@ -120,11 +120,12 @@ def choose(model: Any, token_buckets: Sequence[int], seq_buckets: Sequence[int],
     if not cpu_kernels.available():
         return None
     weights, head, tied = model_matrices(model)
-    supports_head = cpu_matmul.supports_nt if tied else cpu_matmul.supports
+    supports_head = cpu_matmul.supports_nt if tied else _supports
+    dtype = model.embed[...].dtype  # the activations' (an int8 head's codes are not)
     matmul_rows = [r for r in sorted(set(token_buckets)) if any(
-        _supports(jax.ShapeDtypeStruct((r, w.shape[0]), head.dtype), w) for w in weights)]
+        _supports(jax.ShapeDtypeStruct((r, w.shape[0]), dtype), w) for w in weights)]
     head_rows = [r for r in sorted(set(seq_buckets))
-                 if supports_head(jax.ShapeDtypeStruct((r, model.embed.shape[1]), head.dtype), head)]
+                 if supports_head(jax.ShapeDtypeStruct((r, model.embed.shape[1]), dtype), head)]
     cache = cache or cpu_kernels.library_path().with_suffix(".plan.json")
     data = _read(cache)
     entry = data.setdefault(signature(weights, head, tied), {"matmul": {}, "head": {}})
@@ -132,7 +133,7 @@ def choose(model: Any, token_buckets: Sequence[int], seq_buckets: Sequence[int],
     missing = [r for r in matmul_rows if str(r) not in entry["matmul"]]
     missing_head = [r for r in head_rows if str(r) not in entry["head"]]
     if missing or missing_head:
-        entry["matmul"].update(_measure_matmuls(weights, missing, repeats, head.dtype))
+        entry["matmul"].update(_measure_matmuls(weights, missing, repeats, dtype))
         entry["head"].update(_measure_head(model, missing_head, repeats))
         _write(cache, data)
 
