@@ -106,16 +106,23 @@ void Band(const Problem& p, int passes, int64_t c0, int64_t c1) {
 // and scaled at the end. Column tiles over strided rows read a 5632-column matrix at a third of this rate.
 constexpr int kRowParts = 16;
 constexpr int kMinPartRows = 32;
+constexpr int kPartRows = 8;  // rows of q summed a pass over y: y is loaded and stored once per kPartRows rows
 
 void RowPart(const Problem& p, int64_t k0, int64_t k1, float* y) {
   for (int64_t c = 0; c < p.n; c += kLanes) Store(y + c, Vec{});
   int64_t k = k0;
-  for (; k + 4 <= k1; k += 4) {
+  for (; k + kPartRows <= k1; k += kPartRows) {
     const int8_t* q = p.q + k * p.n;
-    const float x0 = p.x[k], x1 = p.x[k + 1], x2 = p.x[k + 2], x3 = p.x[k + 3];
+    float xs[kPartRows];
+    for (int j = 0; j < kPartRows; ++j) xs[j] = p.x[k + j];
     for (int64_t c = 0; c < p.n; c += kLanes) {
-      Store(y + c, Load(y + c) + x0 * Codes(q + c) + x1 * Codes(q + p.n + c) + x2 * Codes(q + 2 * p.n + c) +
-                       x3 * Codes(q + 3 * p.n + c));
+      Vec a = Load(y + c), b = xs[1] * Codes(q + p.n + c);
+      a += xs[0] * Codes(q + c);
+      for (int j = 2; j < kPartRows; j += 2) {  // two chains: the FMAs' latency, not their count, bounds one
+        a += xs[j] * Codes(q + j * p.n + c);
+        b += xs[j + 1] * Codes(q + (j + 1) * p.n + c);
+      }
+      Store(y + c, a + b);
     }
   }
   for (; k < k1; ++k) {
