@@ -4,9 +4,10 @@
     python scripts/bench_quantized.py --quality-model bard --skip-speed
 
 Speed: two engines of `--model` (float32, a 256 MiB KV pool), one per variant, each with `--batch` decodes after
-128-token prompts; rounds alternate the variants (one process), so a machine that slows mid-run slows both; the
-figure is the median over rounds of int8's time over float32's. Quality: held-out perplexity of `--quality-model`
-both ways and the fraction of the first 32 greedy positions (8 prompts) before the two diverge.
+128-token prompts, timing the jitted forward alone and the engine's whole step (`--what`); rounds alternate the
+variants (one process), so a machine that slows mid-run slows both; the figure is the median over rounds of
+int8's time over float32's. Quality: held-out perplexity of `--quality-model` both ways and the fraction of the
+first 32 greedy positions (8 prompts) before the two diverge.
 """
 
 from __future__ import annotations
@@ -46,24 +47,28 @@ def decode_forward(model: str, batch: int, quantization: str | None):
         hidden, runner.kv_caches = runner._forward(runner.param_leaves, runner.kv_caches, packed, runner._no_prev)
         return hidden
 
+    def whole_step():  # the engine's step: schedule, forward, LM head, sampling, outputs (the requests advance)
+        return engine.step()
+
     jax.block_until_ready(forward())
-    return forward, param_bytes(runner.param_leaves)
+    whole_step()
+    return {"forward": forward, "step": whole_step}, param_bytes(runner.param_leaves)
 
 
-def speed(model: str, batch: int, rounds: int, calls: int) -> None:
+def speed(model: str, batch: int, rounds: int, calls: int, what: str) -> None:
     variants = (None, "int8")
     built = [decode_forward(model, batch, q) for q in variants]
     medians: list[list[float]] = [[], []]
     for _ in range(rounds):
-        for (forward, _), ms in zip(built, medians, strict=True):
+        for (fns, _), ms in zip(built, medians, strict=True):
             times = []
             for _ in range(calls):
                 t = time.perf_counter()
-                jax.block_until_ready(forward())
+                jax.block_until_ready(fns[what]())
                 times.append(time.perf_counter() - t)
             ms.append(float(np.median(times)) * 1e3)
     ratio = float(np.median(np.array(medians[1]) / np.array(medians[0])))
-    print(f"{model}, {batch} decodes: float32 {np.median(medians[0]):.2f} ms ({built[0][1] / 2**20:.1f} MiB of "
+    print(f"{model}, {batch} decodes, {what}: float32 {np.median(medians[0]):.2f} ms ({built[0][1] / 2**20:.1f} MiB of "
           f"parameters), int8 {np.median(medians[1]):.2f} ms ({built[1][1] / 2**20:.1f} MiB): int8/fp32 = "
           f"{ratio:.3f} (median of {rounds} rounds' ratios; fp32 rounds {', '.join(f'{m:.2f}' for m in medians[0])};"
           f" int8 rounds {', '.join(f'{m:.2f}' for m in medians[1])})")
@@ -91,6 +96,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=15)
     ap.add_argument("--quality-model", default="bard")
+    ap.add_argument("--what", default="forward,step", help="forward (the jitted decode forward alone) and/or step "
+                    "(the engine's whole decode step, LM head and sampling included)")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-quality", action="store_true")
     args = ap.parse_args()
@@ -101,7 +108,8 @@ def main() -> None:
         quality(args.quality_model)
     if not args.skip_speed:
         for batch in (int(b) for b in args.batches.split(",")):
-            speed(args.model, batch, args.rounds, args.calls)
+            for what in args.what.split(","):
+                speed(args.model, batch, args.rounds, args.calls, what)
 
 
 if __name__ == "__main__":
