@@ -128,7 +128,7 @@ def test_engine_parameters_of_an_int8_engine_are_a_quarter_of_float32(hf_folder)
     ppl_f, ppl_q = perplexity(fp32.engine, ids, 200).perplexity, perplexity(int8.engine, ids, 200).perplexity
     assert ppl_q / ppl_f - 1 < 0.01, (ppl_q, ppl_f)
     prompts = [ids[i:i + 12] for i in range(0, 96, 12)]
-    assert _greedy_agreement(fp32, int8, prompts) >= 0.5
+    assert _greedy_agreement(fp32, int8, prompts) >= 0.75  # measured 0.898 (docs/quantization.md)
 
 
 def test_bard_int8_perplexity_within_one_percent_and_greedy_tokens_agree():
@@ -137,4 +137,4 @@ def test_bard_int8_perplexity_within_one_percent_and_greedy_tokens_agree():
     ppl_f, ppl_q = perplexity(fp32.engine, ids, 200).perplexity, perplexity(int8.engine, ids, 200).perplexity
     assert ppl_q / ppl_f - 1 < 0.01, (ppl_q, ppl_f)
     prompts = [ids[i:i + 16] for i in range(0, 8 * 64, 64)]
-    assert _greedy_agreement(fp32, int8, prompts) >= 0.5
+    assert _greedy_agreement(fp32, int8, prompts) >= 0.6  # measured 0.79 (docs/quantization.md)
