@@ -21,7 +21,8 @@ from jaxserve.eval.windows import read_eval_text
 from jaxserve.model.kernels import cpu_matmul_int8
 from jaxserve.model.layers import linear
 from jaxserve.model.llama import LlamaForCausalLM
-from jaxserve.model.quantize import QuantizedWeight, param_bytes, quantize_int8, quantize_model
+from jaxserve.model.quantize import QuantizedWeight, param_bytes, quantize_int8
+from jaxserve.model.quantize_model import quantize_model
 from planner.model_spec import load_model_spec
 
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=128, chunk_size=128, page_size=16,

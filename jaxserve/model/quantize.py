@@ -15,9 +15,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
-
-from jaxserve.core.engine_config import QUANTIZATIONS
 
 
 @jax.tree_util.register_dataclass
@@ -81,38 +78,6 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     scale multiplies the output, in x's dtype."""
     y = jax.lax.dot_general(x, w.q.astype(x.dtype), (((1,), (0,)), ((), ())))
     return (y * w.scale).astype(x.dtype)
-
-
-def linear_params(model: nnx.Module) -> list[tuple[nnx.Module, str]]:
-    """(module, attribute) of every projection weight `layers.linear` multiplies by: attention's qkv and o, the
-    MLP's gate_up and down. ValueError for layers quantization does not cover yet (MLA, routed experts)."""
-    from jaxserve.model.layers import MLP
-    from jaxserve.model.llama import Attention
-
-    found = []
-    for layer in model.layers:
-        if not isinstance(layer.attn, Attention) or not isinstance(layer.mlp, MLP):
-            raise ValueError("--quantization int8 covers GQA attention and dense SwiGLU MLPs; this model's "
-                             f"{type(layer.attn).__name__}/{type(layer.mlp).__name__} layers are not quantized yet")
-        found += [(layer.attn, "qkv"), (layer.attn, "o"), (layer.mlp, "gate_up"), (layer.mlp, "down")]
-    return found
-
-
-def quantize_model(model: nnx.Module, method: str) -> int:
-    """Replace every projection weight and the LM head of `model` by their `method` codes and scales, in place
-    (each float weight is dropped as soon as it is replaced); returns how many weights were quantized."""
-    if method not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
-    params = linear_params(model)
-    quantize = jax.jit(quantize_int8)
-    for module, name in params:
-        param = getattr(module, name)
-        param.set_value(quantize(param.get_value()))
-    if model.lm_head is not None:
-        model.lm_head.set_value(quantize(model.lm_head.get_value()))
-    else:  # tied: the head gets its own [hidden, vocab] codes; the float embedding stays for the gather
-        model.lm_head = nnx.data(nnx.Param(quantize(model.embed.get_value().T)))
-    return len(params) + 1
 
 
 def param_bytes(tree: Any) -> int:

@@ -20,7 +20,7 @@ from jaxserve.core.engine_config import EngineConfig
 from jaxserve.model.checkpoint import load_checkpoint
 from jaxserve.model.dtypes import resolve_dtype
 from jaxserve.model.llama import KVCaches, LlamaForCausalLM, kv_pool_layout
-from jaxserve.model.quantize import quantize_model
+from jaxserve.model.quantize_model import quantize_model
 from jaxserve.runner.parallel import (
     effective_spec,
     kv_sharding,
