@@ -120,7 +120,7 @@ def test_engine_parameters_of_an_int8_engine_are_a_quarter_of_float32(hf_folder)
     fp32, int8 = LLM(hf_folder, **ENGINE), LLM(hf_folder, quantization="int8", **ENGINE)
     runner_f, runner_q = fp32.engine.runner, int8.engine.runner
     # The embedding and the untied LM head stay float32 in both: compare the rest, then the whole.
-    head = sum(int(leaf.nbytes) for leaf in (runner_f.params["embed"].value, runner_f.params["lm_head"].value))
+    head = sum(int(runner_f.params[name].get_value().nbytes) for name in ("embed", "lm_head"))
     total_f, total_q = param_bytes(runner_f.param_leaves), param_bytes(runner_q.param_leaves)
     assert not any(leaf.dtype == jnp.float32 and leaf.ndim >= 2 and leaf.size > 64 * 96
                    for leaf in runner_q.param_leaves)  # no float copy of a projection lives in the engine
