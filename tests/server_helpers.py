@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import uvicorn
 
+from jaxserve.core.engine_config import EngineConfig
 from jaxserve.server.limits import ServerLimits
 from jaxserve.server.transport import uvicorn_config
 
@@ -45,6 +48,21 @@ class LiveServer:
     def __exit__(self, *exc: Any) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+@contextlib.contextmanager
+def engine_server(config: EngineConfig) -> Iterator[LiveServer]:
+    """The real app on a started `AsyncEngine` of `config`, live; the engine is shut down on exit."""
+    from jaxserve.engine.async_engine import AsyncEngine  # JAX loads only for the tests that serve a real engine
+    from jaxserve.server.app import build_app
+
+    engine = AsyncEngine(config)
+    engine.start()
+    try:
+        with LiveServer(build_app(engine)) as live:
+            yield live
+    finally:
+        engine.shutdown()
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from server_helpers import LiveServer
+from server_helpers import engine_server
 
 from jaxserve.core.engine_config import EngineConfig
 from tests.conftest import TINY_ENGINE_ARGS
@@ -28,16 +28,8 @@ def _guidellm() -> list[str]:
 
 @pytest.fixture(scope="module")
 def url():
-    from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.server.app import build_app
-
-    engine = AsyncEngine(EngineConfig(model="tiny", **TINY_ENGINE_ARGS))
-    engine.start()
-    try:
-        with LiveServer(build_app(engine)) as live:
-            yield live.url
-    finally:
-        engine.shutdown()
+    with engine_server(EngineConfig(model="tiny", **TINY_ENGINE_ARGS)) as live:
+        yield live.url
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from typing import Literal
 
 import pytest
 from pydantic import BaseModel, Field
-from server_helpers import LiveServer
+from server_helpers import engine_server
 
 from jaxserve.core.engine_config import EngineConfig
 from tests.conftest import TINY_ENGINE_ARGS
@@ -26,17 +26,9 @@ class Person(BaseModel):
 
 @pytest.fixture(scope="module")
 def chat():
-    from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.server.app import build_app
-
-    engine = AsyncEngine(EngineConfig(model="tiny", **TINY_ENGINE_ARGS))
-    engine.start()
-    try:
-        with LiveServer(build_app(engine)) as live:
-            yield langchain_openai.ChatOpenAI(base_url=f"{live.url}/v1", api_key="none", model="tiny",
-                                              max_tokens=120, temperature=0.8, seed=3, max_retries=0)
-    finally:
-        engine.shutdown()
+    with engine_server(EngineConfig(model="tiny", **TINY_ENGINE_ARGS)) as live:
+        yield langchain_openai.ChatOpenAI(base_url=f"{live.url}/v1", api_key="none", model="tiny",
+                                          max_tokens=120, temperature=0.8, seed=3, max_retries=0)
 
 
 def test_plain_and_streamed_chat(chat) -> None:

@@ -11,7 +11,7 @@ import json
 import math
 
 import pytest
-from server_helpers import LiveServer
+from server_helpers import engine_server
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.core.engine_config import EngineConfig
@@ -38,16 +38,8 @@ TASKS = {
 
 @pytest.fixture(scope="module")
 def url():
-    from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.server.app import build_app
-
-    engine = AsyncEngine(EngineConfig(model="tiny", **TINY_ENGINE_ARGS))
-    engine.start()
-    try:
-        with LiveServer(build_app(engine)) as live:
-            yield live.url
-    finally:
-        engine.shutdown()
+    with engine_server(EngineConfig(model="tiny", **TINY_ENGINE_ARGS)) as live:
+        yield live.url
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from server_helpers import LiveServer
+from server_helpers import engine_server
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.core.engine_config import EngineConfig
@@ -19,16 +19,8 @@ PROMPT = "The quick brown fox"
 
 @pytest.fixture(scope="module")
 def server():
-    from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.server.app import build_app
-
-    engine = AsyncEngine(EngineConfig(model="tiny", **TINY_ENGINE_ARGS))
-    engine.start()
-    try:
-        with LiveServer(build_app(engine)) as live:
-            yield live
-    finally:
-        engine.shutdown()
+    with engine_server(EngineConfig(model="tiny", **TINY_ENGINE_ARGS)) as live:
+        yield live
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_helpers import LiveServer, sample, scrape, wait_until
+from server_helpers import engine_server, sample, scrape, wait_until
 
 from jaxserve.core.engine_config import EngineConfig
 
@@ -24,16 +24,8 @@ GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 
 @pytest.fixture(scope="module")
 def server():
-    from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.server.app import build_app
-
-    engine = AsyncEngine(EngineConfig(model="tiny", **SERVER_ENGINE_ARGS))
-    engine.start()
-    try:
-        with LiveServer(build_app(engine)) as live:
-            yield live
-    finally:
-        engine.shutdown()
+    with engine_server(EngineConfig(model="tiny", **SERVER_ENGINE_ARGS)) as live:
+        yield live
 
 
 @pytest.fixture(scope="module")

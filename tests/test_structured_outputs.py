@@ -14,7 +14,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_helpers import LiveServer
+from server_helpers import engine_server
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.core.engine_config import EngineConfig
@@ -93,16 +93,8 @@ def test_the_multi_step_loop_takes_constrained_requests_one_step_at_a_time(tiny_
 
 @pytest.fixture(scope="module")
 def server():
-    from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.server.app import build_app
-
-    engine = AsyncEngine(EngineConfig(model="tiny", **TINY_ENGINE_ARGS))
-    engine.start()
-    try:
-        with LiveServer(build_app(engine)) as live:
-            yield live
-    finally:
-        engine.shutdown()
+    with engine_server(EngineConfig(model="tiny", **TINY_ENGINE_ARGS)) as live:
+        yield live
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 from server_fake_engine import FakeEngine
-from server_helpers import LiveServer
+from server_helpers import LiveServer, engine_server
 
 from jaxserve.core.engine_config import EngineConfig
 from jaxserve.structured.tools import check_tools, parse_tool_calls, streamable_prefix, template_messages
@@ -121,16 +121,9 @@ def test_tool_messages_and_calls_in_the_history_are_accepted(fake_client: openai
 
 @pytest.fixture(scope="module")
 def client():
-    from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.server.app import build_app
-
-    engine = AsyncEngine(EngineConfig(model="tiny", **{**TINY_ENGINE_ARGS, "max_model_len": 2048}))  # tools' text
-    engine.start()
-    try:
-        with LiveServer(build_app(engine)) as live:
-            yield openai.OpenAI(base_url=f"{live.url}/v1", api_key="none", max_retries=0, timeout=120)
-    finally:
-        engine.shutdown()
+    # A longer context than the default: the tools' text goes into the prompt.
+    with engine_server(EngineConfig(model="tiny", **{**TINY_ENGINE_ARGS, "max_model_len": 2048})) as live:
+        yield openai.OpenAI(base_url=f"{live.url}/v1", api_key="none", max_retries=0, timeout=120)
 
 
 def test_required_always_gives_calls_that_validate(client: openai.OpenAI) -> None:
