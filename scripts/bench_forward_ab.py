@@ -41,6 +41,14 @@ def decode_forward(model: str, batch: int, eigen_max_rows: int, matmul_max_rows:
     engine = LLMEngine(EngineConfig(model=model, max_num_seqs=max(32, batch), kv_cache_memory=256 << 20,
                                     warmup=False, token_buckets=token_buckets, cpu_kernels=kernel,
                                     **budget))
+    forward = forward_on_decodes(engine, batch)
+    jax.block_until_ready(forward())  # compiles, with the routing set above
+    return forward
+
+
+def forward_on_decodes(engine: LLMEngine, batch: int):
+    """A zero-argument function running `engine`'s jitted forward on a decode step of `batch` 128-token requests
+    (added and prefilled here; each call writes that step's KV again)."""
     params = SamplingParams(max_tokens=256, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"p{i}", [(i + j) % 1000 + 1 for j in range(128)], params)
@@ -54,7 +62,6 @@ def decode_forward(model: str, batch: int, eigen_max_rows: int, matmul_max_rows:
         hidden, runner.kv_caches = runner._forward(runner.param_leaves, runner.kv_caches, packed, runner._no_prev)
         return hidden
 
-    jax.block_until_ready(forward())  # compiles, with the routing set above
     return forward
 
 

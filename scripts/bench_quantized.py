@@ -18,6 +18,7 @@ import time
 
 import jax
 import numpy as np
+from bench_forward_ab import forward_on_decodes  # scripts/ is on the path when a script runs
 
 from jaxserve import LLM
 from jaxserve.core.engine_config import EngineConfig
@@ -27,32 +28,20 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.eval.perplexity import perplexity
 from jaxserve.eval.windows import read_eval_text
 from jaxserve.model.quantize import param_bytes
-from jaxserve.runner.model_runner import bucket_for
 
 
 def decode_forward(model: str, batch: int, quantization: str | None):
     """(a zero-argument function running one engine's jitted decode forward of `batch` requests, parameter bytes)."""
     engine = LLMEngine(EngineConfig(model=model, max_num_seqs=max(32, batch), kv_cache_memory=256 << 20,
                                     warmup=False, quantization=quantization))
-    params = SamplingParams(max_tokens=256, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"p{i}", [(i + j) % 1000 + 1 for j in range(128)], params)
-    engine.step()
-    while engine.last_step.num_prefill_tokens:
-        engine.step()
-    runner, step = engine.runner, engine.scheduler.schedule()
-    packed = runner._device_inputs(step, bucket_for(step.num_tokens, runner.token_buckets))
-
-    def forward():
-        hidden, runner.kv_caches = runner._forward(runner.param_leaves, runner.kv_caches, packed, runner._no_prev)
-        return hidden
+    forward = forward_on_decodes(engine, batch)
 
     def whole_step():  # the engine's step: schedule, forward, LM head, sampling, outputs (the requests advance)
         return engine.step()
 
     jax.block_until_ready(forward())
     whole_step()
-    return {"forward": forward, "step": whole_step}, param_bytes(runner.param_leaves)
+    return {"forward": forward, "step": whole_step}, param_bytes(engine.runner.param_leaves)
 
 
 def speed(model: str, batch: int, rounds: int, calls: int, what: str) -> None:
