@@ -1,5 +1,11 @@
 """Shared fixtures: one small-bucket `tiny` engine for the whole session (JAX compiles dominate test time)."""
 
+import contextlib
+import fcntl
+import os
+import tempfile
+from pathlib import Path
+
 import pytest
 
 TINY_ENGINE_ARGS = dict(max_num_seqs=16, max_num_batched_tokens=128, chunk_size=64, page_size=16,
@@ -11,3 +17,28 @@ def tiny_llm():
     from jaxserve import LLM
 
     return LLM(model="tiny", **TINY_ENGINE_ARGS)
+
+
+def _locks() -> tuple[Path, Path]:
+    """A gate and a run lock shared by this session's xdist workers (children of one controller)."""
+    session = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
+    base = Path(tempfile.gettempdir()) / f"jaxserve-tests-{session}"
+    return base.with_suffix(".gate"), base.with_suffix(".run")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item):
+    """A test marked `exclusive` (timing on the 2 shared cores) runs while the other worker waits between tests:
+    every test passes the gate and holds the run lock shared; an exclusive one holds the gate and the run lock."""
+    exclusive = item.get_closest_marker("exclusive") is not None
+    gate_path, run_path = _locks()
+    with contextlib.ExitStack() as stack:
+        gate = stack.enter_context(open(gate_path, "a"))
+        run = stack.enter_context(open(run_path, "a"))
+        fcntl.flock(gate, fcntl.LOCK_EX)  # no shared holder gets past while an exclusive test waits for the run
+        if exclusive:
+            fcntl.flock(run, fcntl.LOCK_EX)
+        else:
+            fcntl.flock(run, fcntl.LOCK_SH)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        yield

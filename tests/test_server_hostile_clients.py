@@ -152,6 +152,7 @@ def test_requests_cut_by_shutdown_are_503_not_success() -> None:
         assert late.status_code == 503
 
 
+@pytest.mark.exclusive
 def test_a_flood_never_stalls_health() -> None:
     """The server in its own process (so the poller's time is not its GIL's), flooded from another for 6 s."""
     port = free_port()
