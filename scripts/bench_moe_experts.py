@@ -4,7 +4,8 @@ One `moe.MoE` layer (router + grouped experts, as the model runs it) on T decode
 to touch exactly n distinct experts: the router is the identity on the first E hidden dimensions and token t's
 input is large on the dimensions of the k experts given to it, so top-k picks them. Each n is timed (median of
 `--repeats` jitted calls), with the bytes of expert weights it must read and the rate that implies, beside the
-same routing through XLA's `lax.ragged_dot`; the layer computed densely (every expert on every token, masked) is
+same routing through the grouped C++ kernel (all tiles in one call, each expert read in place) and through XLA's
+`lax.ragged_dot`; the layer computed densely (every expert on every token, masked) is
 the baseline grouped compute avoids.
 
     python scripts/bench_moe_experts.py --experts 64 --tokens 32 --out reports/moe_experts.json
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.model.kernels import cpu_kernels
 from jaxserve.model.moe import MoE
 from planner.model_spec import PRESETS
 
@@ -56,6 +58,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens in the step")
     ap.add_argument("--distinct", default="", help="comma-separated distinct-expert counts (default: powers of 2)")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--skip-ragged", action="store_true", help="leave out lax.ragged_dot (slow on a CPU)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     e, k, h = a.experts, a.top_k, a.hidden
@@ -66,7 +69,9 @@ def main() -> None:
     layer = MoE(spec, jnp.float32, nnx.Rngs(0))
     layer.router.set_value(jnp.eye(h, e, dtype=jnp.float32))
     graphdef, params = nnx.split(layer)
-    grouped = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))
+    grouped = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))  # XLA's dots in a loop over the tiles
+    # all tiles in one call of the grouped C++ kernel, where the CPU kernels are built
+    kernel = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x, cpu_kernel=True)) if cpu_kernels.available() else None
 
     def dense(p, x):  # every expert on every token, weighted by the same routing
         m = nnx.merge(graphdef, p)
@@ -102,14 +107,19 @@ def main() -> None:
         got = len(np.unique(np.asarray(ids)))
         assert got == n, (n, got)
         s = _time(grouped, params, x, repeats=a.repeats)
-        r = _time(ragged, params, x, repeats=max(3, a.repeats // 4))
+        kern = _time(kernel, params, x, repeats=a.repeats) if kernel else float("nan")
+        r = _time(ragged, params, x, repeats=max(3, a.repeats // 4)) if not a.skip_ragged else float("nan")
         rows.append({"distinct": n, "ms": s * 1e3, "expert_mb": n * expert_bytes / 1e6,
-                     "gb_per_s": n * expert_bytes / s / 1e9, "ragged_dot_ms": r * 1e3})
+                     "gb_per_s": n * expert_bytes / s / 1e9, "kernel_ms": kern * 1e3,
+                     "kernel_gb_per_s": n * expert_bytes / kern / 1e9, "ragged_dot_ms": r * 1e3})
         print(f"distinct experts {n:4d}: {s * 1e3:8.3f} ms  ({n * expert_bytes / 1e6:7.1f} MB of experts, "
-              f"{n * expert_bytes / s / 1e9:6.1f} GB/s); lax.ragged_dot {r * 1e3:8.3f} ms")
+              f"{n * expert_bytes / s / 1e9:6.1f} GB/s); grouped kernel {kern * 1e3:8.3f} ms "
+              f"({n * expert_bytes / kern / 1e9:6.1f} GB/s); lax.ragged_dot {r * 1e3:8.3f} ms")
     x = jnp.asarray(_inputs(a.tokens, k, counts[-1], h))
     np.testing.assert_allclose(np.asarray(grouped(params, x)), np.asarray(dense(params, x)), rtol=2e-3, atol=2e-3)
     np.testing.assert_allclose(np.asarray(ragged(params, x)), np.asarray(dense(params, x)), rtol=2e-3, atol=2e-3)
+    if kernel:
+        np.testing.assert_allclose(np.asarray(kernel(params, x)), np.asarray(dense(params, x)), rtol=2e-3, atol=2e-3)
     dense_s = _time(dense, params, x, repeats=max(3, a.repeats // 4))
     print(f"dense (all {e} experts on every token): {dense_s * 1e3:8.3f} ms")
     fit = np.polyfit([r["distinct"] for r in rows], [r["ms"] for r in rows], 1)

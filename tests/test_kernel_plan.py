@@ -84,3 +84,20 @@ def test_the_cache_tells_models_apart(tiny_model, tmp_path, monkeypatch):
     one_layer = LlamaForCausalLM(dataclasses.replace(PRESETS["tiny"], num_layers=1), jnp.float32, rngs=nnx.Rngs(0))
     kernel_choice.choose(one_layer, (1,), (1,), cache=cache)
     assert len(json.loads(cache.read_text())) == 2
+
+
+def test_an_moe_models_plan_takes_the_grouped_expert_kernel_where_it_was_faster(tmp_path, monkeypatch):
+    moe_model = LlamaForCausalLM(PRESETS["tiny-moe"], jnp.float32, rngs=nnx.Rngs(0))
+    timed = []
+
+    def fake_times(kernel, xla, args, repeats):  # the expert tiles' args are (x, ids, weights, experts)
+        if len(args) == 4:
+            timed.append(args[0].shape[0])
+            return [float(args[0].shape[0]), 8.0]  # the grouped kernel wins below 8 tokens
+        return [1.0, 2.0]
+
+    monkeypatch.setattr(kernel_choice, "time_pair", fake_times)
+    p = kernel_choice.choose(moe_model, (1, 4, 8, 64, 128), (1,), cache=tmp_path / "plan.json")
+    assert timed == [1, 4, 8, 64]  # decode-sized steps only: wider ones keep XLA's tiles
+    assert p.moe_rows == {1, 4} and p.moe(4) and not p.moe(8)
+    assert "grouped expert kernel at 1, 4 tokens" in p.describe()

@@ -20,7 +20,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from jaxserve import LLM, SamplingParams
+from jaxserve.model.kernels import cpu_kernels, cpu_matmul, kernel_choice
+from jaxserve.model.kernels.kernel_plan import KernelPlan
 from jaxserve.model.moe import grouped_experts, route, tile_rows
+from jaxserve.runner.model_runner import _trash_prefill
+from tests.conftest import TINY_ENGINE_ARGS
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -115,8 +120,13 @@ def _dense_reference(x, ids, weights, gate_up, down):
     return jnp.einsum("te,eth->th", mask, y)
 
 
+def _grouped_kernel():
+    return cpu_matmul.cpu_grouped_matmul if cpu_kernels.available() else pytest.skip("no CPU kernels here")
+
+
+@pytest.mark.parametrize("in_kernel", [False, True], ids=["xla-loop", "grouped-kernel"])
 @pytest.mark.parametrize("tokens", [1, 5, 64, 200])
-def test_grouped_experts_equal_the_dense_sum_and_skip_unused_experts(tokens):
+def test_grouped_experts_equal_the_dense_sum_and_skip_unused_experts(tokens, in_kernel):
     e, k, hidden, inter = 16, 2, 32, 24
     rng = np.random.default_rng(tokens)
     x = jnp.asarray(rng.standard_normal((tokens, hidden), np.float32))
@@ -128,8 +138,33 @@ def test_grouped_experts_equal_the_dense_sum_and_skip_unused_experts(tokens):
     expected = _dense_reference(x, jnp.asarray(ids), weights, jnp.asarray(gate_up), jnp.asarray(down))
     unused = np.setdiff1d(np.arange(e), used)
     gate_up[unused], down[unused] = np.nan, np.nan  # read by a dense formulation, never by the grouped one
-    got = jax.jit(grouped_experts)(x, jnp.asarray(ids), weights, jnp.asarray(gate_up), jnp.asarray(down))
+    grouped = _grouped_kernel() if in_kernel else None  # 200 tokens: tiles of 64 rows, several for one expert
+    got = jax.jit(lambda *a: grouped_experts(*a, grouped=grouped))(x, jnp.asarray(ids), weights,
+                                                                    jnp.asarray(gate_up), jnp.asarray(down))
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-4, rtol=1e-4)
+
+
+def test_an_moe_engine_runs_its_experts_in_the_grouped_kernel_at_its_plans_step_sizes(monkeypatch):
+    _grouped_kernel()
+    prompts = ["The experts", "Mixture of", "abc"]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+
+    def run(moe_rows: set[int]) -> tuple[list[list[int]], str]:
+        plan = KernelPlan(cpu_kernels.isa() or "", frozenset(), frozenset(), frozenset(moe_rows))
+        monkeypatch.setattr(kernel_choice, "choose", lambda *args, **kwargs: plan)
+        llm = LLM(model="tiny-moe", **TINY_ENGINE_ARGS, warmup=False)
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        runner = llm.engine.runner
+        batch = _trash_prefill(4, runner.page_size, runner.max_num_seqs, runner.pages_per_seq * runner.page_size)
+        hlo = runner._forward_for(4).lower(runner.param_leaves, runner.kv_caches, runner._device_inputs(batch, 4),
+                                           runner._no_prev).as_text()
+        return tokens, hlo
+
+    in_kernel, hlo = run(set(range(1, 65)))
+    assert cpu_matmul.TARGET_GROUPED in hlo
+    in_xla, hlo = run(set())
+    assert cpu_matmul.TARGET_GROUPED not in hlo
+    assert in_kernel == in_xla
 
 
 def test_tiles_per_step_follow_distinct_experts():

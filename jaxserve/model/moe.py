@@ -6,6 +6,9 @@ runs over the tiles in use, each reading its expert's weights with a dynamic sli
 decode step of T <= 64 tokens (R = T: one tile per expert touched) reads each distinct expert once, and its weight
 traffic follows the number of distinct experts the batch activates, not E. The loop's trip count is a device
 value: on a CPU that is free; on a GPU each iteration of an XLA while loop waits on the host (docs/models.md).
+On a CPU with jaxserve's kernels, the step sizes the kernel plan names run all tiles in one grouped-matmul call
+instead (`cpu_matmul.cpu_grouped_matmul`): it reads each expert in place, where XLA's loop copies every tile's
+expert out of the stacked weights before its dot.
 
 Layout: router [hidden, E] (float32 logits, as DeepSeek's HF code keeps it), experts_gate_up [E, hidden, 2, I]
 (gate, then up), experts_down [E, I, hidden]; shared experts are one `MLP` of width I * num_shared_experts.
@@ -21,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jaxserve.model.kernels import cpu_matmul
 from jaxserve.model.kernels.kernel_plan import KernelPlan
 from jaxserve.model.layers import linear, normals
 from planner.model_spec import ModelSpec
@@ -62,11 +66,12 @@ def route(logits: jax.Array, k: int, *, norm_topk_prob: bool, scaling: float = 1
 
 
 def grouped_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, gate_up: jax.Array, down: jax.Array,
-                    linear=None) -> jax.Array:
+                    linear=None, grouped=None) -> jax.Array:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x [T, hidden], each expert a SwiGLU MLP.
 
-    gate_up [E, hidden, 2, I], down [E, I, hidden]. Only the tiles of experts some token chose run (module doc);
-    `linear(x, w)` is the matmul (default: XLA's dot).
+    gate_up [E, hidden, 2, I], down [E, I, hidden]. Only the tiles of experts some token chose run (module doc):
+    in a loop of `linear(x, w)` (default: XLA's dot), or all at once by `grouped(tiles_x, w, tile_expert,
+    tile_rows)` (`cpu_matmul.cpu_grouped_matmul`'s contract) where one is given.
     """
     linear = linear or (lambda a, w: a @ w.reshape(w.shape[0], -1))
     t, k = ids.shape
@@ -94,7 +99,15 @@ def grouped_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, gate_up: j
         y = linear(jax.nn.silu(gu[:, 0]) * gu[:, 1], lax.dynamic_index_in_dim(down, ex, keepdims=False))
         return lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), j * r, 0)
 
-    out = lax.fori_loop(0, tile_end[-1], tile, jnp.zeros((max_tiles * r, hidden), x.dtype))
+    if grouped is not None:
+        j = jnp.arange(max_tiles, dtype=jnp.int32)
+        ex = jnp.minimum(tile_expert, e - 1)  # tiles past the last in use: no rows (below), any expert
+        first = tile_end - tiles
+        used = jnp.where(j < tile_end[-1], jnp.clip(counts[ex] - (j - first[ex]) * r, 0, r), 0)
+        gu = grouped(xs, gate_up, ex, used)
+        out = grouped(jax.nn.silu(gu[:, 0]) * gu[:, 1], down, ex, used)
+    else:
+        out = lax.fori_loop(0, tile_end[-1], tile, jnp.zeros((max_tiles * r, hidden), x.dtype))
     w_sorted = weights.reshape(-1)[order].astype(jnp.float32)
     contrib = (out[dest].astype(jnp.float32) * w_sorted[:, None]).astype(x.dtype)
     return jnp.zeros_like(x).at[order // k].add(contrib)
@@ -121,9 +134,13 @@ class MoE(nnx.Module):
         logits = x.astype(jnp.float32) @ self.router[...]
         weights, ids = route(logits, self.top_k, norm_topk_prob=self.norm_topk_prob, scaling=self.scaling,
                              topk_method=self.topk_method, n_group=self.n_group, topk_group=self.topk_group)
-        # XLA's dots, not the C++ kernel: on an expert sliced inside the tile loop it ran slower (docs/models.md).
+        gate_up, down = self.experts_gate_up[...], self.experts_down[...]
+        # XLA's dots in the loop, not the C++ kernel: on an expert sliced inside the loop it ran slower; the grouped
+        # kernel reads the experts in place instead, at the step sizes the plan measured it faster (docs/models.md).
         mm = lambda a, w: linear(a, w.reshape(w.shape[0], -1))  # noqa: E731
-        y = grouped_experts(x, ids, weights, self.experts_gate_up[...], self.experts_down[...], mm)
+        use = (cpu_kernel and (plan is None or plan.moe(x.shape[0])) and x.shape[0] <= DECODE_TILE_MAX
+               and cpu_matmul.supports_grouped(x, gate_up) and cpu_matmul.supports_grouped(x, down))
+        y = grouped_experts(x, ids, weights, gate_up, down, mm, cpu_matmul.cpu_grouped_matmul if use else None)
         if self.shared is not None:
             y = y + self.shared(x, cpu_kernel, plan)
         return y

@@ -34,7 +34,8 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.cc", 
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_pool.h", "cpu_vec.h"))
 # XLA custom-call target -> the handler symbol the library exports for it
 TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention", "jaxserve_matmul": "JaxserveMatmul",
-           "jaxserve_matmul_nt": "JaxserveMatmulNT", "jaxserve_matmul_int8": "JaxserveMatmulInt8"}
+           "jaxserve_matmul_nt": "JaxserveMatmulNT", "jaxserve_matmul_int8": "JaxserveMatmulInt8",
+           "jaxserve_grouped_matmul": "JaxserveGroupedMatmul"}
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 BASE_FLAGS = ("-O3", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 # Target flags per build: "native" is this CPU's own; "avx2" (AVX2 + FMA, no AVX-512) and "portable" (plain

@@ -262,6 +262,40 @@ ffi::Error MatmulNTImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   return Run(pool, Problem{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[0]}, true);
 }
 
+// The tiles of a mixture-of-experts layer (moe.grouped_experts): rows [j R, (j + 1) R) of x times expert
+// tile_expert[j] of w [E, K, N], of which only the first tile_rows[j] are real (the rest, and every row of a tile
+// with none, come out zero). A run of tiles of one expert is one product over its rows, so each expert a step
+// touches is read from memory once, straight out of w: XLA's loop copied every tile's expert before its dot.
+ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                             ffi::Buffer<ffi::S32> tile_expert, ffi::Buffer<ffi::S32> tile_rows,
+                             ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const int64_t tiles = tile_expert.element_count();
+  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[1] || tiles == 0 || xd[0] % tiles != 0 ||
+      tile_rows.element_count() != tiles) {
+    return ffi::Error::InvalidArgument("grouped_matmul: x must be [tiles * R, K], w [E, K, N], one expert per tile");
+  }
+  if (wd[2] % kLineFloats != 0) return ffi::Error::InvalidArgument("grouped_matmul: N must be a multiple of 16");
+  const int64_t r = xd[0] / tiles, k = xd[1], n = wd[2];
+  const int32_t* ex = tile_expert.typed_data();
+  const int32_t* used = tile_rows.typed_data();
+  float* out = y->typed_data();
+  std::fill(out, out + xd[0] * n, 0.0f);
+  for (int64_t j = 0; j < tiles;) {
+    int64_t end = j + 1;  // tiles [j, end) hold the rows of one expert, all but the last of them full
+    while (end < tiles && ex[end] == ex[j] && used[end - 1] == r && used[end] > 0) ++end;
+    const int64_t rows = (end - 1 - j) * r + used[end - 1];
+    if (used[j] > 0 && ex[j] >= 0 && ex[j] < wd[0]) {
+      const ffi::Error err = Run(pool, Problem{x.typed_data() + j * r * k, w.typed_data() + ex[j] * k * n,
+                                               out + j * r * n, rows, k, n}, false);
+      if (err.failure()) return err;
+    }
+    j = end;
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // The instruction set the library was built for ("avx512", "avx2" or "portable"; cpu_vec.h), for the start-up log.
@@ -279,4 +313,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulNT, MatmulNTImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGroupedMatmul, GroupedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

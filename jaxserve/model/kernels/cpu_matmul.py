@@ -15,6 +15,7 @@ from jaxserve.model.kernels import cpu_kernels
 
 TARGET = "jaxserve_matmul"
 TARGET_NT = "jaxserve_matmul_nt"
+TARGET_GROUPED = "jaxserve_grouped_matmul"
 # Rows up to which the kernel beat XLA's dots on `small`'s matrices (the plan's candidates); see docs/tuning.md.
 MAX_ROWS = 32
 
@@ -49,3 +50,22 @@ def cpu_matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
     if not cpu_kernels.available():
         raise RuntimeError("jaxserve's CPU kernels are not available on this machine (see the warning above)")
     return jax.ffi.ffi_call(TARGET_NT, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))(x, w)
+
+
+def supports_grouped(x: jax.Array, w: jax.Array) -> bool:
+    """Whether the kernel can take the MoE tiles x [tiles * R, K] against experts w [E, K, ...]: float32 on a CPU,
+    whole 16-float vectors of output columns."""
+    out = w.size // max(1, w.shape[0] * w.shape[1])
+    return (jax.default_backend() == "cpu" and x.dtype == jnp.float32 and w.dtype == jnp.float32
+            and x.ndim == 2 and w.ndim >= 3 and out % 16 == 0 and cpu_kernels.available())
+
+
+def cpu_grouped_matmul(x: jax.Array, w: jax.Array, tile_expert: jax.Array, tile_rows: jax.Array) -> jax.Array:
+    """Rows [j R, (j + 1) R) of x [tiles * R, K] times expert tile_expert[j] of w [E, K, ...] -> [tiles * R, ...],
+    only the first tile_rows[j] rows of each tile computed (the others zero); each expert read once, in place."""
+    if not cpu_kernels.available():
+        raise RuntimeError("jaxserve's CPU kernels are not available on this machine (see the warning above)")
+    w3 = w.reshape(w.shape[0], w.shape[1], -1)
+    y = jax.ffi.ffi_call(TARGET_GROUPED, jax.ShapeDtypeStruct((x.shape[0], w3.shape[2]), jnp.float32))(
+        x, w3, tile_expert.astype(jnp.int32), tile_rows.astype(jnp.int32))
+    return y.reshape(x.shape[0], *w.shape[2:])

@@ -28,6 +28,7 @@ from flax import nnx
 from jaxserve.model.kernels import cpu_kernels, cpu_matmul, cpu_matmul_int8
 from jaxserve.model.kernels.kernel_plan import KernelPlan
 from jaxserve.model.llama import linear
+from jaxserve.model.moe import DECODE_TILE_MAX, MoE, grouped_experts
 from jaxserve.model.quantize import QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -43,13 +44,19 @@ def model_matrices(model: Any) -> tuple[list[jax.Array], jax.Array, bool]:
     return weights, model.embed[...] if tied else model.lm_head[...], tied
 
 
+def moe_layers(model: Any) -> list[MoE]:
+    """The model's routed-expert layers, whose tiles the grouped kernel may take."""
+    return [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
+
+
 def _threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def signature(weights: Sequence[jax.Array], head: jax.Array, tied: bool) -> str:
+def signature(weights: Sequence[jax.Array], head: jax.Array, tied: bool, experts: Sequence[MoE] = ()) -> str:
     """What the timings depend on beyond the library's key: the matrices' shapes and dtype, and the threads."""
     shapes = Counter("x".join(map(str, w.shape)) for w in weights)
+    shapes.update(f"experts {'x'.join(map(str, m.experts_gate_up.shape))} top {m.top_k}" for m in experts)
     quantized = " int8" if any(isinstance(w, QuantizedWeight) for w in weights) else ""  # float plans keep their key
     return (f"{_threads()} threads {head.dtype}{quantized} " + " ".join(f"{s}*{n}" for s, n in sorted(shapes.items()))
             + f" head {'x'.join(map(str, head.shape))}{' tied' if tied else ''}")
@@ -93,6 +100,25 @@ def _measure_head(model: Any, rows: Sequence[int], repeats: int) -> dict[str, li
     return {str(r): time_pair(kernel, xla, (state, jnp.ones((r, hidden), dtype)), repeats) for r in rows}
 
 
+def _measure_moe(layers: list[MoE], rows: Sequence[int], repeats: int,
+                 dtype: jnp.dtype = jnp.float32) -> dict[str, list[float]]:
+    """[kernel, XLA] seconds per step size of every MoE layer's expert tiles, as `MoE` runs them, for a seeded
+    random routing (each token to top_k distinct experts)."""
+    if not rows:
+        return {}
+    mm = lambda a, w: linear(a, w.reshape(w.shape[0], -1))  # noqa: E731
+    experts = [(m.experts_gate_up[...], m.experts_down[...]) for m in layers]
+    kernel, xla = (jax.jit(lambda x, ids, ws, ex, g=g: [grouped_experts(x, ids, ws, gu, dn, mm, g) for gu, dn in ex])
+                   for g in (cpu_matmul.cpu_grouped_matmul, None))
+    e, k, hidden = layers[0].experts_gate_up.shape[0], layers[0].top_k, layers[0].experts_gate_up.shape[1]
+    timings = {}
+    for r in rows:
+        ids = jnp.asarray(np.argsort(np.random.default_rng(r).random((r, e)), axis=1)[:, :k], jnp.int32)
+        args = (jnp.ones((r, hidden), dtype), ids, jnp.full((r, k), 1.0 / k, jnp.float32), experts)
+        timings[str(r)] = time_pair(kernel, xla, args, repeats)
+    return timings
+
+
 def _read(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -126,21 +152,29 @@ def choose(model: Any, token_buckets: Sequence[int], seq_buckets: Sequence[int],
         _supports(jax.ShapeDtypeStruct((r, w.shape[0]), dtype), w) for w in weights)]
     head_rows = [r for r in sorted(set(seq_buckets))
                  if supports_head(jax.ShapeDtypeStruct((r, model.embed.shape[1]), dtype), head)]
+    experts = moe_layers(model)
+    moe_rows = [r for r in sorted(set(token_buckets)) if experts and r <= DECODE_TILE_MAX and all(
+        cpu_matmul.supports_grouped(jax.ShapeDtypeStruct((r, m.experts_gate_up.shape[1]), dtype), w)
+        for m in experts for w in (m.experts_gate_up[...], m.experts_down[...]))]
     cache = cache or cpu_kernels.library_path().with_suffix(".plan.json")
     data = _read(cache)
-    entry = data.setdefault(signature(weights, head, tied), {"matmul": {}, "head": {}})
+    entry = data.setdefault(signature(weights, head, tied, experts), {"matmul": {}, "head": {}})
+    entry.setdefault("moe", {})
     t = time.perf_counter()
     missing = [r for r in matmul_rows if str(r) not in entry["matmul"]]
     missing_head = [r for r in head_rows if str(r) not in entry["head"]]
-    if missing or missing_head:
+    missing_moe = [r for r in moe_rows if str(r) not in entry["moe"]]
+    if missing or missing_head or missing_moe:
         entry["matmul"].update(_measure_matmuls(weights, missing, repeats, dtype))
         entry["head"].update(_measure_head(model, missing_head, repeats))
+        entry["moe"].update(_measure_moe(experts, missing_moe, repeats, dtype))
         _write(cache, data)
 
     def faster(timings: dict[str, list[float]], rows: list[int]) -> frozenset[int]:
         return frozenset(r for r in rows if timings[str(r)][0] < timings[str(r)][1])
 
-    plan = KernelPlan(cpu_kernels.isa() or "", faster(entry["matmul"], matmul_rows), faster(entry["head"], head_rows))
-    how = f"measured in {time.perf_counter() - t:.1f} s" if missing or missing_head else "cached"
+    plan = KernelPlan(cpu_kernels.isa() or "", faster(entry["matmul"], matmul_rows), faster(entry["head"], head_rows),
+                      faster(entry["moe"], moe_rows))
+    how = f"measured in {time.perf_counter() - t:.1f} s" if missing or missing_head or missing_moe else "cached"
     logger.info("%s (timings %s: %s)", plan.describe(), how, cache)
     return plan

@@ -15,6 +15,11 @@ class KernelPlan:
     isa: str  # what the kernels were built for: "avx512", "avx2" or "portable"
     matmul_rows: frozenset[int]
     head_rows: frozenset[int]
+    moe_rows: frozenset[int] = frozenset()  # step sizes whose expert tiles run in the grouped kernel
+
+    def moe(self, tokens: int) -> bool:
+        """Whether a step of `tokens` tokens runs its MoE layers' expert tiles in the grouped kernel."""
+        return tokens in self.moe_rows
 
     def matmul(self, rows: int) -> bool:
         """Whether a projection of `rows` rows goes to the kernel."""
@@ -29,5 +34,6 @@ class KernelPlan:
         def rows(r: frozenset[int]) -> str:
             return ", ".join(map(str, sorted(r))) + " rows" if r else "no row count"
 
+        moe = f", grouped expert kernel at {rows(self.moe_rows).replace('rows', 'tokens')}" if self.moe_rows else ""
         return (f"CPU kernels built for {self.isa}: matmul kernel at {rows(self.matmul_rows)}, LM head kernel at "
-                f"{rows(self.head_rows)}; XLA's dots at every other row count")
+                f"{rows(self.head_rows)}{moe}; XLA's dots at every other row count")
