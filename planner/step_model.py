@@ -6,6 +6,7 @@ For every operation we count, per device under tensor parallelism `tp`:
 
 - FLOPs (2 per multiply-add), weight bytes, KV bytes (read + write), activation bytes, all-reduce bytes;
 - MoE: the expected number of distinct routed experts the batch touches, E*(1-(1-k/E)^T), plus shared ones;
+  prefill-sized steps compute whole tiles of rows per expert, as the runtime lays them out (`moe_tiles`);
 - MLA: the compressed latent KV, replicated on every TP rank (not divided by tp), attended in absorbed form;
 - KV-head replication when tp > num_kv_heads; embedding, lm_head and sampling for one row per sequence.
 
@@ -23,6 +24,7 @@ from planner.dtypes import dtype_bytes
 from planner.hardware import Coefficients, Hardware
 from planner.memory import kv_heads_per_device
 from planner.model_spec import ModelSpec
+from planner.moe_tiles import DECODE_TILE_MAX, expected_tiles, tile_rows
 
 # The per-pass part of prefill attention: FLOPs of one query row over each chunk's KV, which `time_ops` scales
 # by the `attn_m_half` coefficient (0 for every catalog device; `jaxserve calibrate` fits it).
@@ -195,8 +197,13 @@ def op_costs(spec: ModelSpec, shape: StepShape, *, tp: int = 1, dtype: str = "bf
         distinct = expected_experts(E, k, T)
         ops.append(OpCost("router", flops=2 * T * h * E, weight_bytes=h * E * bw, act_bytes=T * (h + E) * 4,
                           count=spec.num_moe_layers, gemm_rows=T))
-        rows = max(1.0, T * k / max(distinct, 1e-9))  # tokens per touched expert: the GEMM's M
-        ops.append(OpCost("experts", flops=2 * T * (k + sh) * 3 * h * mi,
+        if T > DECODE_TILE_MAX:  # prefill-sized: every row of every tile is computed (planner/moe_tiles.py)
+            rows = tile_rows(math.ceil(T), k, E)
+            expert_rows = expected_tiles(math.ceil(T), k, E) * rows
+        else:  # one tile per touched expert, its padding skipped
+            rows = max(1.0, T * k / max(distinct, 1e-9))  # tokens per touched expert: the GEMM's M
+            expert_rows = T * k
+        ops.append(OpCost("experts", flops=2 * (expert_rows + T * sh) * 3 * h * mi,
                           weight_bytes=(distinct + sh) * 3 * h * mi * bw,
                           act_bytes=T * (k + sh) * (2 * h + 4 * mi) * ba, count=spec.num_moe_layers, gemm_rows=rows))
     ops.append(OpCost("allreduce_mlp", comm_bytes=T * h * ba * ar, collectives=ar, count=L))

@@ -1,5 +1,7 @@
 """The step model: per-operation FLOPs and bytes, KV sizes, MoE experts, and the roofline floor."""
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -7,6 +9,7 @@ from hypothesis import strategies as st
 from planner.hardware import CATALOG
 from planner.memory import kv_bytes_per_token, plan_memory
 from planner.model_spec import PRESETS
+from planner.moe_tiles import expected_tiles, tile_rows
 from planner.search import tp_options
 from planner.step_model import (
     batch_shape,
@@ -95,6 +98,29 @@ def test_expected_moe_experts_is_k_for_one_token_and_tends_to_all():
     many = {op.name: op for op in op_costs(mix, decode_shape(64, 100))}["experts"]
     assert one.weight_bytes == pytest.approx(2 * mix.expert_params() * 2)
     assert many.weight_bytes == pytest.approx(8 * mix.expert_params() * 2, rel=1e-3)
+
+
+def test_prefill_sized_moe_steps_price_the_runtimes_padded_tiles():
+    # Exact E[ceil(c / R)] for c ~ Binomial(T, k/E), against the planner's normal approximation.
+    def exact(t: int, k: int, e: int) -> float:
+        p, r = k / e, tile_rows(t, k, e)
+        logs = [math.lgamma(t + 1) - math.lgamma(c + 1) - math.lgamma(t - c + 1) + c * math.log(p)
+                + (t - c) * math.log1p(-p) for c in range(t + 1)]
+        return e * sum(math.exp(lp) * math.ceil(c / r) for c, lp in enumerate(logs))
+
+    for t, k, e in [(256, 2, 8), (512, 2, 8), (3072, 2, 8), (1024, 8, 128)]:
+        assert expected_tiles(t, k, e) == pytest.approx(exact(t, k, e), rel=0.01)
+    assert expected_tiles(16, 2, 8) == pytest.approx(expected_experts(8, 2, 16))  # decode: a tile per expert
+    mix = PRESETS["mixtral-8x7b"]
+
+    def expert_flops(shape) -> float:
+        return {op.name: op for op in op_costs(mix, shape)}["experts"].flops
+
+    per_row = 2 * 3 * mix.hidden_size * mix.moe_intermediate_size
+    assert expert_flops(decode_shape(16, 100)) == pytest.approx(16 * 2 * per_row)  # padding skipped
+    prefill = prefill_shape(256)
+    # 256 tokens x 2 experts = 512 rows, laid out in ~11.7 tiles of 64: about 1.47x the rows computed.
+    assert expert_flops(prefill) == pytest.approx(exact(256, 2, 8) * 64 * per_row, rel=0.01)
 
 
 def test_deepseek_shared_expert_always_read():

@@ -28,19 +28,7 @@ from jaxserve.model.kernels import cpu_matmul
 from jaxserve.model.kernels.kernel_plan import KernelPlan
 from jaxserve.model.layers import linear, normals
 from planner.model_spec import ModelSpec
-
-# Decode-sized steps (at most this many tokens) take tiles of T rows: one tile per distinct expert.
-DECODE_TILE_MAX = 64
-# Larger steps take tiles of about the mean rows per expert, within these bounds (powers of two).
-MIN_TILE, MAX_TILE = 64, 256
-
-
-def tile_rows(num_tokens: int, k: int, num_experts: int) -> int:
-    """Rows per tile for a step of `num_tokens` tokens routed to `k` of `num_experts` experts (static)."""
-    if num_tokens <= DECODE_TILE_MAX:
-        return max(1, num_tokens)
-    mean = -(-num_tokens * k // num_experts)
-    return min(MAX_TILE, max(MIN_TILE, 1 << (mean - 1).bit_length()))
+from planner.moe_tiles import DECODE_TILE_MAX, tile_rows  # one layout, priced by the planner
 
 
 def route(logits: jax.Array, k: int, *, norm_topk_prob: bool, scaling: float = 1.0, topk_method: str = "greedy",

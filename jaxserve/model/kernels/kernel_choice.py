@@ -28,8 +28,9 @@ from flax import nnx
 from jaxserve.model.kernels import cpu_kernels, cpu_matmul, cpu_matmul_int8
 from jaxserve.model.kernels.kernel_plan import KernelPlan
 from jaxserve.model.llama import linear
-from jaxserve.model.moe import DECODE_TILE_MAX, MoE, grouped_experts
+from jaxserve.model.moe import MoE, grouped_experts
 from jaxserve.model.quantize import QuantizedWeight
+from planner.moe_tiles import DECODE_TILE_MAX
 
 logger = logging.getLogger(__name__)
 
