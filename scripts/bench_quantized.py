@@ -1,13 +1,14 @@
-"""int8 weights (`--quantization int8`) against float32: the decode step's forward, and quality on a trained model.
+"""int8 or fp8 weights (`--quantization`) against float32: the decode step's forward, and quality on a trained model.
 
     python scripts/bench_quantized.py --model small --batches 1,16
-    python scripts/bench_quantized.py --quality-model bard --skip-speed
+    python scripts/bench_quantized.py --quality-model bard --skip-speed [--quantization fp8]
 
 Speed: two engines of `--model` (float32, a 256 MiB KV pool), one per variant, each with `--batch` decodes after
 128-token prompts, timing the jitted forward alone and the engine's whole step (`--what`); rounds alternate the
 variants (one process), so a machine that slows mid-run slows both; the figure is the median over rounds of
-int8's time over float32's. Quality: held-out perplexity of `--quality-model` both ways and the fraction of the
-first 32 greedy positions (8 prompts) before the two diverge.
+the quantized time over float32's (fp8 runs in XLA's dot over converted codes: slow on a CPU, meant for GPUs).
+Quality: held-out perplexity of `--quality-model` both ways and the fraction of the first 32 greedy positions
+(8 prompts) before the two diverge.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def decode_forward(model: str, batch: int, quantization: str | None):
     return {"forward": forward, "step": whole_step}, param_bytes(engine.runner.param_leaves)
 
 
-def speed(model: str, batch: int, rounds: int, calls: int, what: str) -> None:
-    variants = (None, "int8")
+def speed(model: str, batch: int, rounds: int, calls: int, what: str, method: str = "int8") -> None:
+    variants = (None, method)
     built = [decode_forward(model, batch, q) for q in variants]
     medians: list[list[float]] = [[], []]
     for _ in range(rounds):
@@ -58,15 +59,15 @@ def speed(model: str, batch: int, rounds: int, calls: int, what: str) -> None:
             ms.append(float(np.median(times)) * 1e3)
     ratio = float(np.median(np.array(medians[1]) / np.array(medians[0])))
     print(f"{model}, {batch} decodes, {what}: float32 {np.median(medians[0]):.2f} ms ({built[0][1] / 2**20:.1f} MiB of "
-          f"parameters), int8 {np.median(medians[1]):.2f} ms ({built[1][1] / 2**20:.1f} MiB): int8/fp32 = "
+          f"parameters), {method} {np.median(medians[1]):.2f} ms ({built[1][1] / 2**20:.1f} MiB): {method}/fp32 = "
           f"{ratio:.3f} (median of {rounds} rounds' ratios; fp32 rounds {', '.join(f'{m:.2f}' for m in medians[0])};"
-          f" int8 rounds {', '.join(f'{m:.2f}' for m in medians[1])})")
+          f" {method} rounds {', '.join(f'{m:.2f}' for m in medians[1])})")
 
 
-def quality(model: str) -> None:
+def quality(model: str, method: str = "int8") -> None:
     ids = load_tokenizer(model).encode(read_eval_text(model, "held-out"), add_special_tokens=False)[:3000]
     engine = dict(max_num_seqs=8, max_num_batched_tokens=128, chunk_size=128, kv_cache_memory=4 << 20)
-    llms = [LLM(model, **engine), LLM(model, quantization="int8", **engine)]
+    llms = [LLM(model, **engine), LLM(model, quantization=method, **engine)]
     ppl = [perplexity(llm.engine, ids, 200).perplexity for llm in llms]
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     prompts = [ids[i:i + 16] for i in range(0, 8 * 64, 64)]
@@ -74,7 +75,7 @@ def quality(model: str) -> None:
     same = sum(next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
                for x, y in zip(*outs, strict=True))
     exact = sum(a == b for x, y in zip(*outs, strict=True) for a, b in zip(x, y, strict=True))
-    print(f"{model}: held-out perplexity float32 {ppl[0]:.4f}, int8 {ppl[1]:.4f} ({ppl[1] / ppl[0] - 1:+.3%}); "
+    print(f"{model}: held-out perplexity float32 {ppl[0]:.4f}, {method} {ppl[1]:.4f} ({ppl[1] / ppl[0] - 1:+.3%}); "
           f"greedy: {same}/{8 * 32} positions before the first divergence, {exact}/{8 * 32} positions equal")
 
 
@@ -85,6 +86,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=15)
     ap.add_argument("--quality-model", default="bard")
+    ap.add_argument("--quantization", default="int8", choices=("int8", "fp8"))
     ap.add_argument("--what", default="forward,step", help="forward (the jitted decode forward alone) and/or step "
                     "(the engine's whole decode step, LM head and sampling included)")
     ap.add_argument("--skip-speed", action="store_true")
@@ -94,11 +96,11 @@ def main() -> None:
     name = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "?")
     print(f"CPU: {name}, {len(jax.devices())} device(s), jax {jax.__version__}")
     if not args.skip_quality:
-        quality(args.quality_model)
+        quality(args.quality_model, args.quantization)
     if not args.skip_speed:
         for batch in (int(b) for b in args.batches.split(",")):
             for what in args.what.split(","):
-                speed(args.model, batch, args.rounds, args.calls, what)
+                speed(args.model, batch, args.rounds, args.calls, what, args.quantization)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from typing import Any
 from jaxserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 # `--quantization`: the weight formats jaxserve/model/quantize.py can run.
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "fp8")
 # `--attention-backend`: auto picks at start-up (jaxserve/model/attention/select.py); the others force one.
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas")
 
@@ -45,8 +45,9 @@ class EngineConfig:
     cpu_kernels: bool = True
     # Paged attention's implementation; the engine replaces "auto" by what it resolved to at start-up.
     attention_backend: str = "auto"
-    # vLLM's --quantization: None keeps `dtype`; "int8" stores every projection weight as int8 codes with
-    # per-output-channel scales (model/quantize.py).
+    # vLLM's --quantization: None keeps `dtype` (or what a pre-quantized checkpoint holds, which the engine writes
+    # here); "int8"/"fp8" store every projection weight as 8-bit codes with per-output-channel scales
+    # (model/quantize.py).
     quantization: str | None = None
     tensor_parallel_size: int = 1
     device_ids: tuple[int, ...] = field(default_factory=tuple)  # indices into jax.devices(); empty: the first tp

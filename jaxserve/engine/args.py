@@ -81,8 +81,9 @@ _OPTIONS = [
                  help="Paged attention: auto (the C++ kernel on a CPU, the Pallas kernel on an NVIDIA GPU, where "
                       "they can run), reference (jnp), cpu, or pallas (on a CPU: interpreted, tests only)."),
     click.option("--quantization", default=None, type=click.Choice(QUANTIZATIONS),
-                 help="Weight quantization at load: int8 stores every projection and the LM head as int8 codes with "
-                      "per-output-channel float32 scales (the embedding stays in --dtype); default: none."),
+                 help="Weight quantization at load: int8 or fp8 (e4m3) stores every projection and the LM head as "
+                      "8-bit codes with per-output-channel float32 scales (the embedding stays in --dtype); default: "
+                      "none, or what a pre-quantized (compressed-tensors) checkpoint holds."),
     click.option("--tensor-parallel-size", "-tp", default=1, show_default=True, type=click.IntRange(min=1),
                  help="Devices the model is sharded over (mesh axis tp); the first N devices."),
     click.option("--disaggregate/--no-disaggregate", default=False, show_default=True,

@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from safetensors.numpy import save_file
 
+from jaxserve.model.compressed_tensors import folder_scheme, load_compressed_tensors
 from jaxserve.model.dtypes import resolve_dtype
 from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.weights import CheckpointError, abstract_model, load_hf_checkpoint
@@ -71,11 +72,15 @@ def load_converted(folder: str | Path, spec: ModelSpec, dtype: jnp.dtype | str =
 
 def load_checkpoint(folder: str | Path, spec: ModelSpec | None = None, dtype: jnp.dtype | str = "auto",
                     mesh: jax.sharding.Mesh | None = None) -> LlamaForCausalLM:
-    """Load a folder written by `checkpoint.convert` (fast path) or an HF safetensors folder."""
+    """Load a folder written by `checkpoint.convert` (fast path) or an HF safetensors folder (pre-quantized in the
+    compressed-tensors format: its Linears as `QuantizedWeight` codes, on one device, `mesh` unused)."""
     folder = Path(folder).expanduser()
     spec = spec or load_model_spec(str(folder))
     if is_converted(folder):
         return load_converted(folder, spec, dtype)
+    scheme = folder_scheme(folder)
+    if scheme is not None:
+        return load_compressed_tensors(folder, spec, dtype, scheme)
     return load_hf_checkpoint(folder, spec, dtype, mesh=mesh)
 
 
@@ -84,6 +89,9 @@ def convert(src: str | Path, dst: str | Path, dtype: jnp.dtype | str | None = No
     src, dst = Path(src).expanduser(), Path(dst).expanduser()
     if is_converted(dst) or (dst / "params").exists():
         raise CheckpointError(f"{dst}: already holds converted params; choose an empty folder")
+    if folder_scheme(src) is not None:
+        raise CheckpointError(f"{src}: a pre-quantized (compressed-tensors) checkpoint is served from its folder; "
+                              "convert takes float checkpoints")
     spec = load_model_spec(str(src))
     model = load_checkpoint(src, spec, dtype or jnp.float32)
     save_converted(model, dst, {"source": str(src)})

@@ -1,9 +1,12 @@
-"""Weight-only int8 quantization of the linear layers (`--quantization int8`, vLLM's flag).
+"""Weight-only quantization of the linear layers (`--quantization int8|fp8`, vLLM's flag).
 
-Each projection's weight W [in, out...] becomes int8 codes Q = round(W / s) with one float32 scale per output
-channel, s = absmax over the input axis / 127 (symmetric). `QuantizedWeight` holds (Q, s) as one pytree leaf pair
-inside the same `nnx.Param`, so every call site of `layers.linear` is unchanged; the matmul converts Q in the dot's
-operand and applies s to the output (x @ (Q * s) == (x @ Q) * s per column), so no float copy of W is kept.
+Each projection's weight W [in, out...] becomes 8-bit codes Q with one float32 scale per output channel,
+symmetric: int8 Q = round(W / s) with s = absmax over the input axis / 127, or fp8 (e4m3, `float8_e4m3fn`)
+Q = W / s rounded to the nearest e4m3 value with s = absmax / 448 (e4m3's largest finite value). A checkpoint's
+per-tensor scale is kept as a per-channel vector of one value (`compressed_tensors.py`). `QuantizedWeight` holds
+(Q, s) as one pytree leaf pair inside the same `nnx.Param`, so every call site of `layers.linear` is unchanged; the
+matmul converts Q in the dot's operand and applies s to the output (x @ (Q * s) == (x @ Q) * s per column), so no
+float copy of W is kept.
 The LM head is quantized too, per vocabulary entry: a tied head gets its own [hidden, vocab] codes (a quarter of the
 embedding's bytes) and the embedding stays in the model's float dtype, since it is gathered, not multiplied.
 """
@@ -20,7 +23,7 @@ import jax.numpy as jnp
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """int8 codes `q` [in, out...] and float32 scales `scale` [out...]: W ~= q * scale."""
+    """8-bit codes `q` [in, out...] (int8 or float8_e4m3fn) and float32 scales `scale` [out...]: W ~= q * scale."""
 
     q: jax.Array
     scale: jax.Array
@@ -64,18 +67,57 @@ class QuantizedWeight:
         return (self.q.astype(jnp.float32) * self.scale).astype(dtype)
 
 
+# The largest code of each format: int8's symmetric range, e4m3's largest finite value.
+CODE_MAX = {"int8": 127.0, "fp8": 448.0}
+CODE_DTYPES = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn)}
+
+
+def channel_scales(w: jax.Array, method: str) -> jax.Array:
+    """Per-output-channel scales of `w` [in, out...]: absmax over axis 0 / the format's largest code (1 where a
+    column is all zero)."""
+    absmax = jnp.max(jnp.abs(jnp.asarray(w, jnp.float32)), axis=0)
+    return jnp.where(absmax > 0, absmax / CODE_MAX[method], 1.0).astype(jnp.float32)
+
+
 def quantize_int8(w: jax.Array) -> QuantizedWeight:
     """Symmetric per-output-channel int8: scale = absmax over axis 0 / 127 (1 where a column is all zero)."""
-    wf = jnp.asarray(w, jnp.float32)
-    absmax = jnp.max(jnp.abs(wf), axis=0)
-    scale = jnp.where(absmax > 0, absmax / 127.0, 1.0).astype(jnp.float32)
-    q = jnp.clip(jnp.round(wf / scale), -127, 127).astype(jnp.int8)
+    scale = channel_scales(w, "int8")
+    q = jnp.clip(jnp.round(jnp.asarray(w, jnp.float32) / scale), -127, 127).astype(jnp.int8)
     return QuantizedWeight(q, scale)
 
 
+def quantize_fp8(w: jax.Array) -> QuantizedWeight:
+    """Symmetric per-output-channel fp8 (e4m3): scale = absmax over axis 0 / 448, codes W / scale rounded to the
+    nearest e4m3 value (the clip only guards rounding at the edge: |W / scale| <= 448 by construction)."""
+    scale = channel_scales(w, "fp8")
+    q = jnp.clip(jnp.asarray(w, jnp.float32) / scale, -448.0, 448.0).astype(jnp.float8_e4m3fn)
+    return QuantizedWeight(q, scale)
+
+
+QUANTIZERS = {"int8": quantize_int8, "fp8": quantize_fp8}
+
+
+def method_of(dtype: jnp.dtype) -> str:
+    """The `--quantization` name of a code dtype (int8 -> "int8", float8_e4m3fn -> "fp8")."""
+    for name, d in CODE_DTYPES.items():
+        if jnp.dtype(dtype) == d:
+            return name
+    raise ValueError(f"no quantization stores codes as {jnp.dtype(dtype)}")
+
+
+def model_quantization(tree: Any) -> str | None:
+    """The `--quantization` name of the codes in a parameter tree, None when nothing is quantized; ValueError when
+    it mixes two formats (the planner prices one weight dtype)."""
+    is_quantized = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
+    found = {method_of(w.q.dtype) for w in jax.tree.leaves(tree, is_leaf=is_quantized) if is_quantized(w)}
+    if len(found) > 1:
+        raise ValueError(f"the model mixes quantized formats {sorted(found)}")
+    return found.pop() if found else None
+
+
 def quantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
-    """x [T, in] @ W [in, out...] with W as int8 codes: the convert sits in the dot's operand, the per-column
-    scale multiplies the output, in x's dtype."""
+    """x [T, in] @ W [in, out...] with W as 8-bit codes (int8 or fp8): the convert sits in the dot's operand, the
+    per-column scale multiplies the output, in x's dtype."""
     y = jax.lax.dot_general(x, w.q.astype(x.dtype), (((1,), (0,)), ((), ())))
     return (y * w.scale).astype(x.dtype)
 

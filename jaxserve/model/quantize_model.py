@@ -12,7 +12,7 @@ from flax import nnx
 from jaxserve.core.engine_config import QUANTIZATIONS
 from jaxserve.model.layers import MLP
 from jaxserve.model.llama import Attention
-from jaxserve.model.quantize import quantize_int8
+from jaxserve.model.quantize import QUANTIZERS
 
 
 def linear_params(model: nnx.Module) -> list[tuple[nnx.Module, str]]:
@@ -21,7 +21,7 @@ def linear_params(model: nnx.Module) -> list[tuple[nnx.Module, str]]:
     found = []
     for layer in model.layers:
         if not isinstance(layer.attn, Attention) or not isinstance(layer.mlp, MLP):
-            raise ValueError("--quantization int8 covers GQA attention and dense SwiGLU MLPs; this model's "
+            raise ValueError("--quantization covers GQA attention and dense SwiGLU MLPs; this model's "
                              f"{type(layer.attn).__name__}/{type(layer.mlp).__name__} layers are not quantized yet")
         found += [(layer.attn, "qkv"), (layer.attn, "o"), (layer.mlp, "gate_up"), (layer.mlp, "down")]
     return found
@@ -33,7 +33,7 @@ def quantize_model(model: nnx.Module, method: str) -> int:
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
     params = linear_params(model)
-    quantize = jax.jit(quantize_int8)
+    quantize = jax.jit(QUANTIZERS[method])
     for module, name in params:
         param = getattr(module, name)
         param.set_value(quantize(param.get_value()))

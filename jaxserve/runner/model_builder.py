@@ -18,6 +18,7 @@ from flax import nnx
 
 from jaxserve.core.engine_config import EngineConfig
 from jaxserve.model.checkpoint import load_checkpoint
+from jaxserve.model.compressed_tensors import folder_scheme
 from jaxserve.model.dtypes import resolve_dtype
 from jaxserve.model.llama import KVCaches, LlamaForCausalLM, kv_pool_layout
 from jaxserve.model.quantize_model import quantize_model
@@ -26,6 +27,7 @@ from jaxserve.runner.parallel import (
     kv_sharding,
     make_mesh,
     replicate_kv_heads,
+    replicated,
     select_devices,
     shard_model,
 )
@@ -96,6 +98,26 @@ def enable_compilation_cache(path: str | None) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+def checkpoint_quantization(config: EngineConfig, spec: ModelSpec) -> str | None:
+    """The weight format a pre-quantized (compressed-tensors) checkpoint holds, written into `config.quantization`
+    (what the engine runs, and calibrate and report price); None for float checkpoints and presets. ValueError
+    when it conflicts with an explicit --quantization or asks for several devices (codes are not in the sharding
+    table), or when the checkpoint's scheme is not supported."""
+    if spec.synthetic:
+        return None
+    scheme = folder_scheme(os.path.expanduser(resolve_model_path(config.model)))
+    if scheme is None:
+        return None
+    if config.quantization not in (None, scheme.method):
+        raise ValueError(f"--quantization {config.quantization} conflicts with the checkpoint's {scheme.method} "
+                         "weights (compressed-tensors); drop the flag")
+    if config.tensor_parallel_size > 1 or config.disaggregate:
+        raise ValueError(f"the checkpoint's {scheme.method} weights run on one device (not with "
+                         "tensor_parallel_size > 1 or disaggregate)")
+    config.quantization = scheme.method
+    return scheme.method
+
+
 def build_model_and_cache(config: EngineConfig, spec: ModelSpec) -> BuiltModel:
     """Model parameters on the device, an empty KV pool, and the resulting max_model_len."""
     enable_compilation_cache(config.compilation_cache_dir)
@@ -120,10 +142,14 @@ def build_model_and_cache(config: EngineConfig, spec: ModelSpec) -> BuiltModel:
     if max_model_len > usable_tokens:
         raise ValueError(f"max_model_len {max_model_len} needs {max_model_len} KV slots but the pool holds "
                          f"{usable_tokens}; raise kv_cache_memory or lower max_model_len")
+    held = checkpoint_quantization(config, spec)
     model = load_model(config, spec, dtype, mesh)
     replicate_kv_heads(model, spec, tp)
-    shard_model(model, mesh)
-    if config.quantization:  # after placement: one device (EngineConfig refuses tp > 1), codes stay where W was
+    if held:  # one device: codes and scales (not in the sharding table) and the rest replicated on it
+        nnx.update(model, jax.device_put(nnx.state(model), replicated(mesh)))
+    else:
+        shard_model(model, mesh)
+    if config.quantization and not held:  # after placement: one device (EngineConfig refuses tp > 1)
         quantize_model(model, config.quantization)
     kv_caches = init_sharded_kv_cache(run_spec, num_pages, config.page_size, dtype, mesh)
     return BuiltModel(model=model, kv_caches=kv_caches, dtype=jnp.dtype(dtype), num_pages=num_pages,
