@@ -10,7 +10,9 @@ prefix and one more). So
 where the verify step is the roofline step model's step with k + 1 rows per sequence (its matmuls read the
 weights once for all rows, so on a bandwidth-bound device it costs little more than a decode step), and the
 proposer is ~0 for n-gram lookup (host work) or, for a draft model, its own k steps: one forward over the
-sequences' newest tokens, then k - 1 decode steps, each with its LM head and sampling.
+sequences' newest tokens, then k - 1 decode iterations in one jitted call, each with its LM head and sampling. The
+host prepares and collects them once a round, so they are priced as --num-scheduler-steps prices k decode steps in
+one dispatch (`steps_per_dispatch=k`: one `dispatch_overhead_s` for the k, the rest of each step's costs k times).
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def proposer_s(method: str, hw: Hardware, batch: int, context_len: float, k: int
                draft: ModelSpec | None = None, tp: int = 1, dtype: str = "bf16", kv_dtype: str | None = None,
                token_buckets: Sequence[int] = ()) -> float:
     """Seconds the proposer spends per verify step: 0 for n-gram lookup (host work, beside the step's own), k
-    draft-model steps of `batch` sequences for a draft model."""
+    draft-model decode steps of `batch` sequences in one dispatch for a draft model."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     if method == "ngram":
@@ -94,7 +96,8 @@ def proposer_s(method: str, hw: Hardware, batch: int, context_len: float, k: int
     if draft is None:
         raise ValueError("a draft_model proposer needs the draft model's spec")
     return sum(step_time_shape(draft, hw, decode_shape(batch, context_len + i), tp=tp, dtype=dtype,
-                               kv_dtype=kv_dtype, padded_tokens=pad_tokens(batch, token_buckets)).total_s
+                               kv_dtype=kv_dtype, padded_tokens=pad_tokens(batch, token_buckets),
+                               steps_per_dispatch=k).total_s
                for i in range(k))
 
 

@@ -46,6 +46,14 @@ def test_proposer_costs():
         proposer_s("draft_model", HW, 1, 512, 4)
 
 
+def test_the_draft_model_pays_one_dispatch_for_its_k_steps():
+    # its k steps run in one jitted call: k - 1 of the host's per-dispatch seconds are saved, as with
+    # --num-scheduler-steps k
+    hw = HW.with_coefficients(dispatch_overhead_s=200e-6)
+    steps = [step_time_shape(DRAFT, hw, decode_shape(1, 512 + i)).total_s for i in range(4)]
+    assert proposer_s("draft_model", hw, 1, 512, 4, draft=DRAFT) == pytest.approx(sum(steps) - 3 * 200e-6)
+
+
 def test_tpot_is_the_step_over_the_tokens_it_emits():
     p = predict_speculative(TARGET, HW, k=4, acceptance=0.7, draft=DRAFT)
     assert p.tpot_s == pytest.approx((p.verify_step_s + p.proposer_s) / expected_tokens_per_step(0.7, 4))

@@ -3,14 +3,17 @@
 It runs in the engine's process on the target's mesh with its own parameters and its own KV pool, a mirror of the
 target's: as many pages, indexed by the same block tables, so the target's page allocation, prefix cache and
 rollback serve both (a page cached in the target's tree holds the draft's KV of the same tokens). Each step, before
-the target verifies:
+the target verifies, two calls go to the device back to back (the host waits only for the second's tokens):
 
-1. one draft forward over the target's batch as scheduled, without its draft rows (decodes, prefill chunks: the
+1. the draft's forward over the target's batch as scheduled, without its draft rows (decodes, prefill chunks: the
    draft's KV keeps pace with the target's), plus, for a sequence whose previous k drafts were all accepted, the
-   last of them (the draft never fed it): logits of the speculating sequences' last rows draw draft 1;
-2. k - 1 decode forwards of the speculating sequences, all in one batch each, each feeding the previous draw
-   through the runner's placeholder tokens (no host round trip between them);
-3. one copy of the k draws to the host, which writes them into the target batch's draft rows.
+   last of them (the draft never fed it);
+2. one jitted call of all k draws: draft 1 of each speculating sequence from the forward's last rows, then a loop
+   of static trip count k - 1 (as `runner/decode_run.py` runs --num-scheduler-steps) whose iteration i feeds every
+   sequence's draw i - 1 at its position start + i and draws draft i + 1; a sequence given fewer drafts writes its
+   later iterations' KV to the trash page. It returns the k draws, their distributions and the KV pool.
+
+Then one copy of the k draws to the host, which writes them into the target batch's draft rows.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.core.batch import RaggedBatch, placeholder
+from jaxserve.core.batch import RaggedBatch
 from jaxserve.core.engine_config import EngineConfig
+from jaxserve.model.attention.metadata import AttentionMetadata
 from jaxserve.runner.model_builder import init_sharded_kv_cache, load_model
 from jaxserve.runner.model_runner import ModelRunner, bucket_for
 from jaxserve.runner.parallel import effective_spec, params_shardings, replicate_kv_heads, replicated, shard_model
@@ -35,16 +39,42 @@ from jaxserve.spec_decode.verify import empty_batch
 from planner.model_spec import ModelSpec, load_model_spec
 
 
-def _sample_impl(runner: ModelRunner, param_leaves, hidden_rows, temperature, top_k, top_p, min_p, seed, step):
-    """Draft tokens padded to the runner's `max_sampled` (what its forward reads placeholders from) and their
-    distributions padded to as many rows."""
+def _propose_impl(runner: ModelRunner, k: int, t: int, param_leaves, kv_caches, hidden_rows, starts, slots,
+                  page_table, limits, temperature, top_k, top_p, min_p, seed, step):
+    """The k draws of S speculating sequences (S = the sampling bucket; rows past the real ones have limit 0):
+    draft 1 from `hidden_rows`, then k - 1 decode iterations over `t` padded tokens. Sequence j's draft i is drawn
+    at token index step[j] + i; iteration i writes its KV at slots[i, j] (position starts[j] + i) while i <
+    limits[j]. Returns (tokens [k, max_sampled], q [k * max_sampled, V], kv_caches)."""
     model = nnx.merge(runner.graphdef, jax.tree.unflatten(runner._param_tree, param_leaves))
-    rows = temperature.shape[0]
-    logits = model.compute_logits(hidden_rows[:rows], cpu_kernel=runner.cpu_kernels, plan=runner.kernel_plan)
-    tokens, q = sample_draft(logits, temperature, top_k, top_p, min_p, seed, step)
-    n = runner.max_sampled
-    return (jnp.zeros(n, jnp.int32).at[:rows].set(tokens),
-            jnp.zeros((n, logits.shape[-1]), jnp.float32).at[:rows].set(q.astype(jnp.float32)))
+    rows, n_seq, n = temperature.shape[0], runner.max_num_seqs, runner.max_sampled
+    num_seqs = jnp.sum(limits > 0).astype(jnp.int32)
+    real = jnp.arange(rows) < num_seqs
+    cu = jnp.minimum(jnp.arange(n_seq + 1, dtype=jnp.int32), num_seqs)
+    table = jnp.zeros((n_seq, page_table.shape[1]), jnp.int32).at[:rows].set(page_table)
+
+    def draw(hidden, i):
+        logits = model.compute_logits(hidden[:rows], cpu_kernel=runner.cpu_kernels, plan=runner.kernel_plan)
+        return sample_draft(logits, temperature, top_k, top_p, min_p, seed, step + i)
+
+    tok, q = draw(hidden_rows, 0)
+    tokens = jnp.zeros((k, n), jnp.int32).at[0, :rows].set(tok)
+    qs = jnp.zeros((k, n, q.shape[-1]), jnp.float32).at[0, :rows].set(q.astype(jnp.float32))
+
+    def body(i, carry):
+        kv, tok, tokens, qs = carry
+        live = real & (i < limits)
+        pos = starts + jnp.minimum(i, jnp.maximum(limits - 1, 0))  # a finished sequence stays in its pages
+        meta = AttentionMetadata(
+            slot_mapping=jnp.pad(jnp.where(live, slots[i], 0), (0, t - rows)), cu_q_lens=cu,
+            kv_lens=jnp.zeros(n_seq, jnp.int32).at[:rows].set(jnp.where(real, pos + 1, 0)),
+            page_table=table, num_seqs=num_seqs, num_decodes=num_seqs)
+        hidden, kv = model(jnp.pad(tok, (0, t - rows)), jnp.pad(pos, (0, t - rows)), kv, meta,
+                           cpu_kernel=runner.cpu_kernels, attention=runner.attention, plan=runner.kernel_plan)
+        new, q = draw(hidden, i)
+        return kv, new, tokens.at[i, :rows].set(new), qs.at[i, :rows].set(q.astype(jnp.float32))
+
+    kv_caches, _, tokens, qs = jax.lax.fori_loop(1, k, body, (kv_caches, tok, tokens, qs))
+    return tokens, qs.reshape(k * n, -1), kv_caches
 
 
 class DraftProposer:
@@ -66,17 +96,11 @@ class DraftProposer:
         replicate_kv_heads(weights, spec, tp)
         shard_model(weights, target.mesh)
         kv = init_sharded_kv_cache(effective_spec(spec, tp), num_pages, config.page_size, k0.dtype, target.mesh)
-        self.runner = r = ModelRunner(weights, kv, page_size=config.page_size, max_model_len=max_model_len,
-                                      max_num_seqs=config.max_num_seqs, token_buckets=target.token_buckets,
-                                      seq_buckets=target.seq_buckets, cpu_kernels=config.cpu_kernels,
-                                      attention_backend=target.attention.name)
-        fn = functools.partial(_sample_impl, r)
-        if r.mesh is None:
-            self._sample = jax.jit(fn)
-        else:
-            rep = replicated(r.mesh)
-            self._sample = jax.jit(fn, in_shardings=(jax.tree.leaves(params_shardings(r.params)), *(rep,) * 7),
-                                   out_shardings=rep)
+        self.runner = ModelRunner(weights, kv, page_size=config.page_size, max_model_len=max_model_len,
+                                  max_num_seqs=config.max_num_seqs, token_buckets=target.token_buckets,
+                                  seq_buckets=target.seq_buckets, cpu_kernels=config.cpu_kernels,
+                                  attention_backend=target.attention.name)
+        self._fns: dict[int, Any] = {}  # sampling bucket -> the jitted k draws
         self._no_q: jax.Array | None = None
         self._no_q_all: jax.Array | None = None
         self._lag: dict[str, int] = {}  # request id -> the position of an accepted draft the draft never fed
@@ -108,27 +132,14 @@ class DraftProposer:
         q_index = np.zeros(len(batch.logits_indices), np.int32)
         if not speculating:
             return self._zeros(hidden), q_index
-        outs, alive = [self._draw(hidden, batch, speculating, seeds, 0)], [speculating]
-        for i in range(1, int(drafts.max())):
-            now = [s for s in alive[-1] if drafts[s] > i]
-            prev = {s: j for j, s in enumerate(alive[-1])}
-            step = self._decode_batch(batch, now, [placeholder(prev[s]) for s in now], starts, i)
-            t = bucket_for(step.num_tokens, r.token_buckets)
-            hidden, r.kv_caches = r._forward_for(t)(r.param_leaves, r.kv_caches, r._device_inputs(step, t),
-                                                    outs[-1][0])
-            outs.append(self._draw(hidden, batch, now, seeds, i))
-            alive.append(now)
-        tokens = jax.device_get([o[0] for o in outs])
-        row_of = [{s: j for j, s in enumerate(a)} for a in alive]
+        tokens, q_flat = self._draws(hidden, batch, speculating, seeds, starts)
         first_row = np.cumsum(np.concatenate([[0], drafts + 1]))[:-1]  # each sequence's first logits row
-        for s in speculating:
-            req = batch.requests[s]
-            req.spec_token_ids = [int(tokens[i][row_of[i][s]]) for i in range(int(drafts[s]))]
+        for j, s in enumerate(speculating):
+            req, n = batch.requests[s], int(drafts[s])
+            req.spec_token_ids = tokens[:n, j].tolist()
             batch.token_ids[cu[s] + 1: cu[s + 1]] = req.spec_token_ids
-            q_index[first_row[s]: first_row[s] + drafts[s]] = [i * r.max_sampled + row_of[i][s]
-                                                               for i in range(int(drafts[s]))]
-        q = [o[1] for o in outs] + [self._zeros_rows(hidden)] * (self.k - len(outs))
-        return jnp.concatenate(q, axis=0), q_index
+            q_index[first_row[s]: first_row[s] + n] = np.arange(n) * r.max_sampled + j
+        return q_flat, q_index
 
     def after_verify(self, request_id: str, start: int, num_drafts: int, num_accepted: int) -> None:
         """All of a sequence's drafts accepted: the last one (at start + num_drafts) was never fed to the draft."""
@@ -157,28 +168,41 @@ class DraftProposer:
                            logits_indices=np.array([cu[where[s] + 1] - 1 for s in speculating], np.int32),
                            samples=np.ones(len(items), bool))
 
-    def _decode_batch(self, batch: RaggedBatch, seqs: list[int], tokens: list[int], starts: np.ndarray,
-                      i: int) -> RaggedBatch:
-        """Draft step i: each sequence feeds its draw i - 1 (a placeholder) at position start + i."""
-        ps, n = self.runner.page_size, len(seqs)
-        idx = np.array(seqs, np.int32)
-        positions = (starts[idx] + i).astype(np.int32)
-        table = batch.page_table[idx]
-        slots = table[np.arange(n), positions // ps] * ps + positions % ps
-        return RaggedBatch(requests=[batch.requests[s] for s in seqs], num_decodes=n,
-                           token_ids=np.array(tokens, np.int32), positions=positions,
-                           cu_q_lens=np.arange(n + 1, dtype=np.int32), kv_lens=positions + 1, page_table=table,
-                           slot_mapping=slots.astype(np.int32), logits_indices=np.arange(n, dtype=np.int32),
-                           samples=np.ones(n, bool))
+    def _fn(self, rows: int) -> Any:
+        """The jitted k draws for a sampling bucket of `rows` (its loop's forward pads to that row count's bucket)."""
+        if rows not in self._fns:
+            r = self.runner
+            fn = functools.partial(_propose_impl, r, self.k, bucket_for(rows, r.token_buckets))
+            if r.mesh is None:
+                self._fns[rows] = jax.jit(fn, donate_argnums=(1,))
+            else:
+                rep = replicated(r.mesh)
+                kv_sh = jax.tree.map(lambda x: x.sharding, r.kv_caches)
+                self._fns[rows] = jax.jit(fn, donate_argnums=(1,), out_shardings=(rep, rep, kv_sh), in_shardings=(
+                    jax.tree.leaves(params_shardings(r.params)), kv_sh, *(rep,) * 11))
+        return self._fns[rows]
 
-    def _draw(self, hidden, batch: RaggedBatch, seqs: list[int], seeds: list[int], i: int) -> tuple[Any, Any]:
-        """Draft i of each of `seqs` (token index len(output) + i), with its distribution."""
-        r = self.runner
-        rows = [(batch.requests[s].sampling_params, seeds[s], len(batch.requests[s].output_token_ids) + i)
-                for s in seqs]
-        a = SamplingArrays.build(rows, r.sampling_bucket(len(rows)))
-        args = r._put((a.temperature, a.top_k, a.top_p, a.min_p, a.seed, a.step))
-        return self._sample(r.param_leaves, hidden, *args)
+    def _draws(self, hidden, batch: RaggedBatch, seqs: list[int], seeds: list[int], starts: np.ndarray
+               ) -> tuple[np.ndarray, Any]:
+        """Every draft of `seqs` in one call: (tokens [k, max_sampled] on the host, q_flat on the device)."""
+        r, k, ps = self.runner, self.k, self.runner.page_size
+        rows = r.sampling_bucket(len(seqs))
+        a = SamplingArrays.build([(batch.requests[s].sampling_params, seeds[s],
+                                   len(batch.requests[s].output_token_ids)) for s in seqs], rows)
+        n = len(seqs)
+        idx = np.array(seqs, np.int32)
+        lim, first = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        lim[:n], first[:n] = batch.num_drafts[idx], starts[idx]
+        table = np.zeros((rows, r.pages_per_seq), np.int32)
+        table[:n, : batch.page_table.shape[1]] = batch.page_table[idx]
+        ahead = first[None, :] + np.arange(k, dtype=np.int32)[:, None]  # [k, rows]: iteration i's position
+        page = np.minimum(ahead // ps, r.pages_per_seq - 1)
+        slots = table[np.arange(rows)[None, :], page] * ps + ahead % ps
+        live = (np.arange(k)[:, None] >= 1) & (np.arange(k)[:, None] < lim[None, :])
+        args = r._put((first, np.where(live, slots, 0).astype(np.int32), table, lim, a.temperature, a.top_k, a.top_p,
+                       a.min_p, a.seed, a.step))
+        tokens, q_flat, r.kv_caches = self._fn(rows)(r.param_leaves, r.kv_caches, hidden, *args)
+        return np.asarray(jax.device_get(tokens)), q_flat
 
     def _zeros_rows(self, hidden) -> jax.Array:
         if self._no_q is None:
@@ -201,12 +225,19 @@ class DraftProposer:
         hidden, r.kv_caches = r._forward_for(t)(r.param_leaves, r.kv_caches, r._device_inputs(empty_batch(), t),
                                                 r._no_prev)
         for size in r.seq_buckets:
-            a = SamplingArrays.build([], size)
-            jax.block_until_ready(self._sample(r.param_leaves, hidden, *r._put(
-                (a.temperature, a.top_k, a.top_p, a.min_p, a.seed, a.step))))
+            self._warm(hidden, size)
+
+    def _warm(self, hidden, rows: int) -> None:
+        """Compile (and run once) the k draws of a sampling bucket on no sequence: every row's limit is 0."""
+        r, z = self.runner, np.zeros(rows, np.int32)
+        a = SamplingArrays.build([], rows)
+        args = r._put((z, np.zeros((self.k, rows), np.int32), np.zeros((rows, r.pages_per_seq), np.int32), z,
+                       a.temperature, a.top_k, a.top_p, a.min_p, a.seed, a.step))
+        tokens, _, r.kv_caches = self._fn(rows)(r.param_leaves, r.kv_caches, hidden, *args)
+        jax.block_until_ready(tokens)
 
     def compile_count(self) -> int:
-        return self.runner.compile_count() + self._sample._cache_size()
+        return self.runner.compile_count() + sum(f._cache_size() for f in self._fns.values())
 
 
 def _token_at(req, i: int) -> int:
