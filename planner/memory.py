@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from planner.dtypes import dtype_bytes
+from planner.dtypes import dtype_bytes, short_name
 from planner.model_spec import ModelSpec
 
 GIB = 1024**3
@@ -20,15 +20,26 @@ def kv_heads_per_device(spec: ModelSpec, tp: int) -> int:
     return max(1, math.ceil(spec.num_kv_heads / tp))
 
 
+# A KV pool of one-byte codes keeps one float32 scale per token per KV head (per latent row for MLA), beside the
+# pages (the runtime's jaxserve/model/attention/kv_quant.py).
+SCALED_KV_DTYPES = ("int8", "fp8")
+KV_SCALE_BYTES = 4.0
+
+
+def kv_scale_bytes(kv_dtype: str) -> float:
+    """Bytes of the scale each cached row (a token's KV head) carries in a `kv_dtype` pool: 0 for float pools."""
+    return KV_SCALE_BYTES if short_name(kv_dtype) in SCALED_KV_DTYPES else 0.0
+
+
 def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str, tp: int = 1) -> float:
-    """KV-cache bytes one token occupies on one device, all layers.
+    """KV-cache bytes one token occupies on one device, all layers, scales included (int8/fp8 pools).
 
     MLA caches the compressed latent plus the rope key, which every TP rank needs whole (not divided by tp).
     """
-    b = dtype_bytes(kv_dtype)
+    b, s = dtype_bytes(kv_dtype), kv_scale_bytes(kv_dtype)
     if spec.is_mla:
-        return spec.num_layers * (spec.kv_lora_rank + spec.qk_rope_head_dim) * b
-    return 2 * spec.num_layers * kv_heads_per_device(spec, tp) * spec.head_dim * b
+        return spec.num_layers * ((spec.kv_lora_rank + spec.qk_rope_head_dim) * b + s)
+    return 2 * spec.num_layers * kv_heads_per_device(spec, tp) * (spec.head_dim * b + s)
 
 
 def weight_bytes_per_device(spec: ModelSpec, dtype: str, tp: int = 1) -> float:

@@ -28,10 +28,11 @@ def test_int8_weights_and_fp8_kv_halve_weights_and_double_capacity_against_bf16(
     _, quant = plan(capsys, "--quantization", "int8", "--kv-cache-dtype", "fp8")
     mem_b, mem_q = bf16["predicted"]["memory_gib"], quant["predicted"]["memory_gib"]
     assert mem_q["weights"] == pytest.approx(mem_b["weights"] / 2, rel=0.05)  # the embedding and head shrink too
-    # The same memory holds twice the tokens per KV byte, and more KV bytes besides (the weights freed some).
+    # A token takes half its bf16 bytes plus its scales (4 bytes per KV head, against 128-wide heads), and more KV
+    # bytes are left besides (the weights freed some).
     per_token_b = mem_b["kv"] / bf16["predicted"]["kv_capacity_tokens"]
     per_token_q = mem_q["kv"] / quant["predicted"]["kv_capacity_tokens"]
-    assert per_token_q == pytest.approx(per_token_b / 2, rel=1e-6)
+    assert per_token_q == pytest.approx(per_token_b / 2 * (128 + 4) / 128, rel=1e-6)
     assert quant["predicted"]["kv_capacity_tokens"] > 2 * bf16["predicted"]["kv_capacity_tokens"]
 
 

@@ -83,7 +83,9 @@ def test_kv_bytes_per_token_gqa_mla_and_replication():
     ds = PRESETS["deepseek-v3"]  # MLA: latent 512 + rope key 64 per layer, the same on every TP rank
     assert kv_bytes_per_token(ds, "bf16") == 61 * (512 + 64) * 2
     assert kv_bytes_per_token(ds, "bf16", tp=8) == kv_bytes_per_token(ds, "bf16")
-    assert kv_bytes_per_token(L8B, "fp8") == kv_bytes_per_token(L8B, "bf16") / 2
+    # One-byte codes plus one float32 scale per token per KV head (the runtime's kv_quant pools).
+    assert kv_bytes_per_token(L8B, "fp8") == kv_bytes_per_token(L8B, "int8") == 32 * 2 * 8 * (128 + 4)
+    assert kv_bytes_per_token(ds, "fp8") == 61 * (512 + 64 + 4)
 
 
 def test_expected_moe_experts_is_k_for_one_token_and_tends_to_all():

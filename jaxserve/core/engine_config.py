@@ -11,6 +11,9 @@ from jaxserve.spec_decode.config import SpeculativeConfig, parse_speculative_con
 QUANTIZATIONS = ("int8", "fp8")
 # `--attention-backend`: auto picks at start-up (jaxserve/model/attention/select.py); the others force one.
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas")
+# `--kv-cache-dtype` (vLLM's names): auto stores KV in `dtype`; int8 and fp8 (e4m3) store codes with one float32
+# scale per token per KV head (model/attention/kv_quant.py). fp8_e4m3 is vLLM's other name for fp8.
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
 
 
 @dataclass
@@ -49,6 +52,8 @@ class EngineConfig:
     # here); "int8"/"fp8" store every projection weight as 8-bit codes with per-output-channel scales
     # (model/quantize.py).
     quantization: str | None = None
+    # vLLM's --kv-cache-dtype (KV_CACHE_DTYPES); "fp8_e4m3" is stored as "fp8".
+    kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     device_ids: tuple[int, ...] = field(default_factory=tuple)  # indices into jax.devices(); empty: the first tp
     # Disaggregated serving: a prefill pool on the first `prefill_devices` devices, a decode pool on the next
@@ -111,6 +116,12 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.quantization is not None and (self.tensor_parallel_size > 1 or self.disaggregate):
             raise ValueError("quantization runs on one device (not with tensor_parallel_size > 1 or disaggregate)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        self.kv_cache_dtype = "fp8" if self.kv_cache_dtype == "fp8_e4m3" else self.kv_cache_dtype
+        if self.kv_cache_dtype != "auto" and (self.tensor_parallel_size > 1 or self.disaggregate):
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} runs on one device (not with "
+                             "tensor_parallel_size > 1 or disaggregate)")
         if self.scheduling_policy not in ("fcfs", "lpm"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}")
 

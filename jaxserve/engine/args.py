@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from jaxserve.core.engine_config import ATTENTION_BACKENDS, QUANTIZATIONS, EngineConfig
+from jaxserve.core.engine_config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from jaxserve.engine.factory import create_engine
 from jaxserve.model.dtypes import RUNTIME_DTYPES
 
@@ -84,6 +84,10 @@ _OPTIONS = [
                  help="Weight quantization at load: int8 or fp8 (e4m3) stores every projection and the LM head as "
                       "8-bit codes with per-output-channel float32 scales (the embedding stays in --dtype); default: "
                       "none, or what a pre-quantized (compressed-tensors) checkpoint holds."),
+    click.option("--kv-cache-dtype", default=EngineConfig.kv_cache_dtype, show_default=True,
+                 type=click.Choice(KV_CACHE_DTYPES),
+                 help="KV pages: auto (in --dtype), or int8 / fp8 (e4m3; fp8_e4m3 is the same) codes with one float32 "
+                      "scale per token per KV head, about half bf16's bytes a token."),
     click.option("--tensor-parallel-size", "-tp", default=1, show_default=True, type=click.IntRange(min=1),
                  help="Devices the model is sharded over (mesh axis tp); the first N devices."),
     click.option("--disaggregate/--no-disaggregate", default=False, show_default=True,
@@ -122,7 +126,7 @@ ENGINE_OPTION_NAMES = ("model", "dtype", "seed", "max_num_seqs", "max_num_batche
                        "page_size", "kv_cache_memory", "gpu_memory_utilization", "max_model_len",
                        "enable_prefix_caching", "scheduling_policy", "async_scheduling", "num_scheduler_steps",
                        "speculative_config", "cpu_kernels", "attention_backend", "quantization",
-                       "tensor_parallel_size", "disaggregate",
+                       "kv_cache_dtype", "tensor_parallel_size", "disaggregate",
                        "prefill_devices", "decode_devices", "max_pending_transfers", "coordinator_address",
                        "num_processes", "process_id")
 

@@ -92,7 +92,8 @@ class LLMEngine:
                                   cpu_kernels=config.cpu_kernels, attention_backend=config.attention_backend,
                                   max_logits_rows=config.max_num_seqs * (1 + spec_k(config)))
         config.attention_backend = self.runner.attention.name  # what "auto" resolved to, for /version
-        log.info("attention backend: %s (%s)", self.runner.attention.name, self.runner.attention)
+        log.info("attention backend: %s (%s), KV cache %s", self.runner.attention.name, self.runner.attention,
+                 config.kv_cache_dtype)
         self.kv_manager = KVCacheManager(num_pages=self.num_pages, page_size=config.page_size,
                                          enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.model.attention.backend import AttentionBackend
+from jaxserve.model.attention.kv_quant import kv_kind
 from jaxserve.model.attention.metadata import AttentionMetadata
 from jaxserve.model.attention.paged_attention import write_kv
 from jaxserve.model.attention.select import auto_backend
@@ -151,7 +152,7 @@ class LlamaForCausalLM(nnx.Module):
         """
         if attention is None:
             k0 = kv_caches[0][0]
-            attention = auto_backend(k0.dtype, k0.shape[3], k0.shape[1], cpu_kernel)
+            attention = auto_backend(k0.dtype, k0.shape[3], k0.shape[1], cpu_kernel, kv_kind(k0))
         x = jnp.take(self.embed[...], token_ids, axis=0)
         cos, sin = rope_cos_sin(positions, self.inv_freq)
         new_caches = []

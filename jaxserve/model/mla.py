@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jaxserve.model.attention import kv_quant
 from jaxserve.model.attention.backend import AttentionBackend
 from jaxserve.model.attention.latent import LatentAttentionBackend
 from jaxserve.model.attention.metadata import AttentionMetadata
@@ -54,7 +55,10 @@ def softmax_scale(spec: ModelSpec) -> float:
 
 
 def write_latent(cache: jax.Array, entry: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """Scatter this step's latents [T, 1, width] into their slots (page * page_size + offset)."""
+    """Scatter this step's latents [T, 1, width] into their slots (page * page_size + offset); a quantized pool
+    (`kv_quant.QuantizedPool`) gets codes and one scale a latent row."""
+    if isinstance(cache, kv_quant.QuantizedPool):
+        return kv_quant.write(cache, entry, slot_mapping)
     num_pages, page_size, one, width = cache.shape
     if entry.shape[0] == 1:
         at = (slot_mapping[0] // page_size, slot_mapping[0] % page_size, 0, 0)

@@ -15,14 +15,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.core.engine_config import EngineConfig
+from jaxserve.model.attention.kv_quant import QuantizedPool, empty_pool
 from jaxserve.model.checkpoint import load_checkpoint
 from jaxserve.model.compressed_tensors import folder_scheme
 from jaxserve.model.dtypes import resolve_dtype
 from jaxserve.model.llama import KVCaches, LlamaForCausalLM, kv_pool_layout
 from jaxserve.model.quantize_model import quantize_model
 from jaxserve.runner.parallel import (
+    AXIS,
     effective_spec,
     kv_sharding,
     make_mesh,
@@ -87,7 +91,7 @@ def kv_budget_bytes(config: EngineConfig, spec: ModelSpec, dtype_name: str,
         return free
     context = config.max_model_len or spec.max_position_embeddings
     needed = ((config.max_num_seqs * context + config.page_size)
-              * kv_bytes_per_token(spec, dtype_name, config.tensor_parallel_size))
+              * kv_bytes_per_token(spec, kv_dtype_name(config, dtype_name), config.tensor_parallel_size))
     return min(CPU_DEFAULT_KV_BYTES, needed)
 
 
@@ -134,7 +138,7 @@ def build_model_and_cache(config: EngineConfig, spec: ModelSpec) -> BuiltModel:
         raise ValueError(f"process {jax.process_index()} holds none of the {tp} mesh devices; with several "
                          f"processes, tensor_parallel_size must span every process ({len(jax.devices())} devices)")
     budget = kv_budget_bytes(config, spec, dtype_name, local[0])
-    num_pages = kv_pool_pages(spec, budget, config.page_size, dtype_name, tp)
+    num_pages = kv_pool_pages(spec, budget, config.page_size, kv_dtype_name(config, dtype_name), tp)
     usable_tokens = (num_pages - 1) * config.page_size
     if usable_tokens < config.page_size:
         raise ValueError("the KV cache budget holds less than one page; raise kv_cache_memory")
@@ -151,18 +155,28 @@ def build_model_and_cache(config: EngineConfig, spec: ModelSpec) -> BuiltModel:
         shard_model(model, mesh)
     if config.quantization and not held:  # after placement: one device (EngineConfig refuses tp > 1)
         quantize_model(model, config.quantization)
-    kv_caches = init_sharded_kv_cache(run_spec, num_pages, config.page_size, dtype, mesh)
+    kv_caches = init_sharded_kv_cache(run_spec, num_pages, config.page_size, dtype, mesh, config.kv_cache_dtype)
     return BuiltModel(model=model, kv_caches=kv_caches, dtype=jnp.dtype(dtype), num_pages=num_pages,
                       max_model_len=max_model_len, mesh=mesh, spec=run_spec)
 
 
+def kv_dtype_name(config: EngineConfig, dtype_name: str) -> str:
+    """The planner's name of the KV pool's dtype: `--kv-cache-dtype`, or the model's (`dtype_name`) for auto."""
+    return dtype_name if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+
+
 def init_sharded_kv_cache(spec: ModelSpec, num_pages: int, page_size: int, dtype: jnp.dtype,
-                          mesh: jax.sharding.Mesh) -> KVCaches:
+                          mesh: jax.sharding.Mesh, kv_cache_dtype: str = "auto") -> KVCaches:
     """Zeroed per-layer (k, v) pools `[num_pages, page_size, kv_heads, head_dim]`, sharded on kv_heads (MLA: one
-    latent pool a layer, `llama.kv_pool_layout`).
+    latent pool a layer, `llama.kv_pool_layout`); for int8/fp8 each a `kv_quant.QuantizedPool` of codes and
+    per-row float32 scales (their bytes are the planner's `kv_bytes_per_token` of that dtype).
 
     Each device allocates only its own shard (no full pool is ever built on one device).
     """
     shape, n = kv_pool_layout(spec, num_pages, page_size)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_sharding(mesh))
+    if kv_cache_dtype == "auto":
+        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_sharding(mesh))
+    else:
+        sharding = QuantizedPool(kv_sharding(mesh), NamedSharding(mesh, P(None, None, AXIS)), jnp.dtype(dtype))
+        zeros = jax.jit(lambda: empty_pool(shape, kv_cache_dtype, dtype), out_shardings=sharding)
     return [tuple(zeros() for _ in range(n)) for _ in range(spec.num_layers)]

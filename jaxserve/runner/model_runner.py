@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.core.batch import RaggedBatch, is_placeholder, placeholder_seq
 from jaxserve.model.attention.metadata import AttentionMetadata
-from jaxserve.model.attention.select import select_backend
+from jaxserve.model.attention.select import kv_kind, select_backend
 from jaxserve.model.kernels import kernel_choice
 from jaxserve.model.kernels.kernel_plan import KernelPlan
 from jaxserve.runner.parallel import AXIS, fit_spec, params_shardings, put_global, replicated
@@ -135,7 +135,8 @@ class ModelRunner:
         # Attention's implementation, chosen once: the step never looks at the platform (model/attention/select.py).
         k0 = kv_caches[0][0]
         self.attention = select_backend(attention_backend, self.platform, k0.dtype, k0.shape[3], page_size,
-                                        cpu_kernels=self.cpu_kernels, num_devices=len(sharding.device_set))
+                                        cpu_kernels=self.cpu_kernels, num_devices=len(sharding.device_set),
+                                        kv_cache_dtype=kv_kind(k0))
         wide = dict(compiler_options=CPU_SEPARATE_DOTS_OPTIONS) if self.platform == "cpu" else {}
         self.prompt_head = PromptHead(self, CPU_SEPARATE_DOTS_OPTIONS if wide else {})  # jitted on first use
         if self.mesh is None:  # plain single-device arrays

@@ -12,11 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.model.attention import kv_quant
 from jaxserve.model.attention.metadata import AttentionMetadata
 from jaxserve.model.kernels import cpu_kernels
 
 TARGET = "jaxserve_paged_attention"
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # the sizes `AttendAny` in cpu_attention.cc is built for
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # the page formats the kernel reads (`--kv-cache-dtype`)
+QUANTIZED_TARGET = "jaxserve_quantized_paged_attention"  # codes converted in registers, scales per token
 
 
 def supports(dtype: jnp.dtype, head_dim: int) -> bool:
@@ -27,10 +30,14 @@ def supports(dtype: jnp.dtype, head_dim: int) -> bool:
 
 def cpu_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata,
                         scale: float) -> jax.Array:
-    """Causal attention of every sequence of the ragged batch (q [T, H, D], float32); zeros for padded rows,
-    spread over XLA's intra-op threads."""
+    """Causal attention of every sequence of the ragged batch (q [T, H, D], float32) over float32 pools or
+    quantized ones (`kv_quant.QuantizedPool`, int8/fp8 codes); zeros for padded rows, spread over XLA's intra-op
+    threads."""
     if not cpu_kernels.available():
         raise RuntimeError("jaxserve's CPU kernels are not available on this machine (see the warning above)")
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    return call(q, k_cache, v_cache, meta.page_table, meta.kv_lens, meta.cu_q_lens, meta.num_seqs,
-                scale=np.float32(scale))
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    tail = (meta.page_table, meta.kv_lens, meta.cu_q_lens, meta.num_seqs)
+    if isinstance(k_cache, kv_quant.QuantizedPool):
+        return jax.ffi.ffi_call(QUANTIZED_TARGET, out)(q, k_cache.codes, v_cache.codes, k_cache.scales,
+                                                       v_cache.scales, *tail, scale=np.float32(scale))
+    return jax.ffi.ffi_call(TARGET, out)(q, k_cache, v_cache, *tail, scale=np.float32(scale))

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxserve.model.attention import kv_quant
 from jaxserve.model.attention.metadata import AttentionMetadata
 
 # KV tokens per inner block (rounded to whole pages) and query rows per prefill block.
@@ -47,7 +48,10 @@ Q_BLOCK_OVERHEAD_ROWS = 20
 
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Scatter new K/V [T, kv_heads, head_dim] into their slots (page * page_size + offset)."""
+    """Scatter new K/V [T, kv_heads, head_dim] into their slots (page * page_size + offset); quantized pools
+    (`kv_quant.QuantizedPool`) get codes and scales."""
+    if isinstance(k_cache, kv_quant.QuantizedPool):
+        return kv_quant.write(k_cache, k, slot_mapping), kv_quant.write(v_cache, v, slot_mapping)
     num_pages, page_size, kvh, d = k_cache.shape
     if k.shape[0] == 1:  # one token (the batch-1 decode step): an in-place slice update, cheaper than a scatter
         at = (slot_mapping[0] // page_size, slot_mapping[0] % page_size, 0, 0)
@@ -65,7 +69,7 @@ def _gather_block(cache: jax.Array, page_row: jax.Array, first_page: jax.Array,
     pages = lax.dynamic_slice_in_dim(page_row, first_page, block_pages)
     # Gather 4-D pages: reshaping the (just scattered-into) cache to 2-D first makes XLA copy the whole pool
     # on every step.
-    return cache[pages].reshape(-1, *cache.shape[2:])
+    return kv_quant.rows(cache, pages).reshape(-1, *cache.shape[2:])
 
 
 def _online_update(carry: tuple, s: jax.Array, mask: jax.Array, pv: Callable[[jax.Array], jax.Array]) -> tuple:
@@ -140,8 +144,8 @@ def _decode_batched(qd: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_
 
     def body(b: jax.Array, carry: tuple) -> tuple:
         pages = lax.dynamic_slice_in_dim(page_table, b * block_pages, block_pages, axis=1)  # [n, bp]
-        kb = k_cache[pages].reshape(n, block, kvh, d).astype(jnp.float32)
-        vb = v_cache[pages].reshape(n, block, kvh, d).astype(jnp.float32)
+        kb = kv_quant.rows(k_cache, pages).reshape(n, block, kvh, d).astype(jnp.float32)
+        vb = kv_quant.rows(v_cache, pages).reshape(n, block, kvh, d).astype(jnp.float32)
         s = jnp.einsum("nkgd,ntkd->nkgt", qf, kb)
         mask = (b * block + jnp.arange(block)[None, :] < kv_lens[:, None])[:, None, None, :]
         return _online_update(carry, s, mask, lambda p: jnp.einsum("nkgt,ntkd->nkgd", p, vb))

@@ -42,6 +42,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxserve.model.attention import kv_quant
 from jaxserve.model.attention.metadata import AttentionMetadata
 
 try:  # deprecated since jax 0.11 and to be removed; without it `supports` is False and auto picks the reference
@@ -54,6 +55,7 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 LOG2E = math.log2(math.e)
 MIN_ROWS = 16  # Triton's dot needs operands of at least 16 rows and columns
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # the page formats the kernel reads (`--kv-cache-dtype`)
 
 
 def _pow2(n: int) -> bool:
@@ -115,8 +117,12 @@ def _plan(meta: AttentionMetadata, num_tokens: int, bq: int, num_items: int) -> 
     return jnp.stack([table_row, row0, rows, pos0, keys]).astype(jnp.int32)
 
 
-def _kernel(work_ref, q_ref, k_ref, v_ref, table_ref, o_ref, *, scale: float, bq: int, g2: int, block_pages: int):
-    """One (KV head, work item): q_ref [T + bq, g2, D], k_ref/v_ref [pages, page_size, D], o_ref like q_ref."""
+def _kernel(work_ref, q_ref, k_ref, v_ref, *refs, scale: float, bq: int, g2: int, block_pages: int,
+            quantized: bool = False):
+    """One (KV head, work item): q_ref [T + bq, g2, D], k_ref/v_ref [pages, page_size, D], o_ref like q_ref;
+    `quantized`: k_ref/v_ref hold int8/fp8 codes and refs begin with their scales [pages, page_size], folded into
+    the scores (K) and the probabilities (V)."""
+    ks_ref, vs_ref, table_ref, o_ref = refs if quantized else (None, None, *refs)
     w = pl.program_id(1)
     seq, row0, rows, pos0, keys = (work_ref[i, w] for i in range(work_ref.shape[0]))
     d = q_ref.shape[-1]
@@ -130,7 +136,12 @@ def _kernel(work_ref, q_ref, k_ref, v_ref, table_ref, o_ref, *, scale: float, bq
         pages = table_ref[seq, pl.ds(b * block_pages, block_pages)]
         k = k_ref[pages].reshape(bk, d)
         v = v_ref[pages].reshape(bk, d)
+        if quantized:  # codes in the queries' dtype, each key's scale on its scores, each value's on its p
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
+            ks, vs = ks_ref[pages].reshape(1, bk), vs_ref[pages].reshape(1, bk)
         s = plgpu.dot(q, k, trans_b=True) * (scale * LOG2E)  # [r, bk] float32, base-2 logits
+        if quantized:
+            s = s * ks
         if masked:
             t_pos = b * bk + jnp.arange(bk, dtype=jnp.int32)
             s = jnp.where(t_pos[None, :] <= q_pos[:, None], s, MASK_VALUE)
@@ -138,7 +149,7 @@ def _kernel(work_ref, q_ref, k_ref, v_ref, table_ref, o_ref, *, scale: float, bq
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
         den = den * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+        acc = acc * alpha[:, None] + plgpu.dot((p * vs if quantized else p).astype(v.dtype), v)
         return acc, m_new, den
 
     n = lax.div(keys + bk - 1, bk)  # the plan keeps keys and pos0 non-negative
@@ -155,7 +166,8 @@ def _kernel(work_ref, q_ref, k_ref, v_ref, table_ref, o_ref, *, scale: float, bq
 def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata,
                            scale: float, *, block_q: int = 16, kv_block: int = 64, num_warps: int = 4,
                            num_stages: int = 2, interpret: bool = False) -> jax.Array:
-    """The backend contract (`backend.py`) in one Pallas-Triton call: q [T, H, D], pools [N, page_size, KVH, D].
+    """The backend contract (`backend.py`) in one Pallas-Triton call: q [T, H, D], pools [N, page_size, KVH, D]
+    (or `kv_quant.QuantizedPool`s of them).
 
     `block_q`: most query tokens per work item; `kv_block`: keys per inner block (rounded down to a power of two
     of whole pages, at least MIN_ROWS keys); `num_warps`/`num_stages`: Triton's; `interpret`: run the kernel in Pallas'
@@ -163,6 +175,8 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     """
     t, h, d = q.shape
     _, page_size, kvh, _ = k_cache.shape
+    quantized = isinstance(k_cache, kv_quant.QuantizedPool)
+    pools = (k_cache.codes, v_cache.codes, k_cache.scales, v_cache.scales) if quantized else (k_cache, v_cache)
     g = h // kvh
     g2 = _next_pow2(g)
     bq = q_block_tokens(t, g, block_q)
@@ -177,18 +191,20 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % block_pages)))
     rows_spec = pl.BlockSpec((t + bq, pl.squeezed, g2, d), lambda hh, w: (0, hh, 0, 0))
     pool_spec = pl.BlockSpec((k_cache.shape[0], page_size, pl.squeezed, d), lambda hh, w: (0, 0, hh, 0))
-    kernel = functools.partial(_kernel, scale=float(scale), bq=bq, g2=g2, block_pages=block_pages)
+    scale_spec = pl.BlockSpec((k_cache.shape[0], page_size, pl.squeezed), lambda hh, w: (0, 0, hh))
+    kernel = functools.partial(_kernel, scale=float(scale), bq=bq, g2=g2, block_pages=block_pages,
+                               quantized=quantized)
     out = pl.pallas_call(
         kernel,
         grid=(kvh, num_items),
         in_specs=[pl.BlockSpec(work.shape, lambda hh, w: (0, 0)), rows_spec, pool_spec, pool_spec,
-                  pl.BlockSpec(table.shape, lambda hh, w: (0, 0))],
+                  *((scale_spec, scale_spec) if quantized else ()), pl.BlockSpec(table.shape, lambda hh, w: (0, 0))],
         out_specs=rows_spec,
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"ragged_paged_attention_bq{bq}_g{g2}_bk{block_pages * page_size}",
-    )(work, qg, k_cache, v_cache, table)
+    )(work, qg, *pools, table)
     return out[:t, :, :g].reshape(t, h, d)
 
 

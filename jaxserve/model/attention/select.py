@@ -19,6 +19,7 @@ from jaxserve.core.engine_config import ATTENTION_BACKENDS
 from jaxserve.model.attention import cpu_attention, pallas
 from jaxserve.model.attention.backend import AttentionBackend
 from jaxserve.model.attention.cpu import CpuKernelAttention
+from jaxserve.model.attention.kv_quant import kv_kind as kv_kind  # the runner asks its pool here
 from jaxserve.model.attention.pallas import PallasAttention
 from jaxserve.model.attention.reference import ACCELERATOR_TUNING, CPU_TUNING, reference_for
 
@@ -27,7 +28,8 @@ logger = logging.getLogger(__name__)
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
-def _cpu_kernel_refusal(platform: str, dtype: jnp.dtype, head_dim: int, cpu_kernels: bool) -> str | None:
+def _cpu_kernel_refusal(platform: str, dtype: jnp.dtype, head_dim: int, cpu_kernels: bool,
+                        kv_cache_dtype: str = "auto") -> str | None:
     """Why the C++ kernel cannot run here, or None when it can."""
     if platform != "cpu":
         return f"it runs on a CPU, not on {platform}"
@@ -36,10 +38,13 @@ def _cpu_kernel_refusal(platform: str, dtype: jnp.dtype, head_dim: int, cpu_kern
     if not cpu_attention.supports(dtype, head_dim):
         return (f"it needs float32 and a head dimension in {cpu_attention.HEAD_DIMS} and the kernels built "
                 f"(got {jnp.dtype(dtype).name}, head_dim {head_dim})")
+    if kv_cache_dtype not in cpu_attention.KV_CACHE_DTYPES:
+        return f"it reads KV pages of --kv-cache-dtype {'/'.join(cpu_attention.KV_CACHE_DTYPES)}, not {kv_cache_dtype}"
     return None
 
 
-def _pallas_refusal(platform: str, dtype: jnp.dtype, head_dim: int, page_size: int, num_devices: int) -> str | None:
+def _pallas_refusal(platform: str, dtype: jnp.dtype, head_dim: int, page_size: int, num_devices: int,
+                    kv_cache_dtype: str = "auto") -> str | None:
     """Why the Pallas kernel cannot run here, or None when it can."""
     if platform not in GPU_PLATFORMS + ("cpu",):
         return f"it is written for NVIDIA GPUs (Pallas-Triton), not {platform}"
@@ -50,19 +55,22 @@ def _pallas_refusal(platform: str, dtype: jnp.dtype, head_dim: int, page_size: i
     if not pallas.supports(dtype, head_dim, page_size):
         return (f"it needs float32, bfloat16 or float16, a power-of-two head_dim >= 16 and a power-of-two page "
                 f"size (got {jnp.dtype(dtype).name}, head_dim {head_dim}, page size {page_size})")
+    if kv_cache_dtype not in pallas.KV_CACHE_DTYPES:
+        return f"it reads KV pages of --kv-cache-dtype {'/'.join(pallas.KV_CACHE_DTYPES)}, not {kv_cache_dtype}"
     return None
 
 
 def select_backend(name: str, platform: str, dtype: jnp.dtype, head_dim: int, page_size: int, *,
-                   cpu_kernels: bool = True, num_devices: int = 1) -> AttentionBackend:
+                   cpu_kernels: bool = True, num_devices: int = 1, kv_cache_dtype: str = "auto") -> AttentionBackend:
     """The backend `name` (one of ATTENTION_BACKENDS) resolves to on `platform` ("cpu", "gpu", "tpu", ...) for a
-    KV pool of `dtype`, `head_dim` and `page_size` spread over `num_devices`; `cpu_kernels`: whether jaxserve's
-    C++ kernels may run (the engine's flag, and one device). Raises ValueError for a name or an explicit choice
-    that cannot run here."""
+    KV pool of `dtype` (the model's), `head_dim` and `page_size` spread over `num_devices`, its pages stored as
+    `kv_cache_dtype` ("auto": in `dtype`; "int8"/"fp8": `kv_quant` codes, which every backend here reads);
+    `cpu_kernels`: whether jaxserve's C++ kernels may run (the engine's flag, and one device). Raises ValueError
+    for a name or an explicit choice that cannot run here."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, not {name!r}")
-    cpu_no = _cpu_kernel_refusal(platform, dtype, head_dim, cpu_kernels)
-    pallas_no = _pallas_refusal(platform, dtype, head_dim, page_size, num_devices)
+    cpu_no = _cpu_kernel_refusal(platform, dtype, head_dim, cpu_kernels, kv_cache_dtype)
+    pallas_no = _pallas_refusal(platform, dtype, head_dim, page_size, num_devices, kv_cache_dtype)
     if name == "auto":
         if platform == "cpu":
             return CpuKernelAttention() if cpu_no is None else CPU_TUNING
@@ -83,10 +91,12 @@ def select_backend(name: str, platform: str, dtype: jnp.dtype, head_dim: int, pa
     return PallasAttention()
 
 
-def auto_backend(dtype: jnp.dtype, head_dim: int, page_size: int, cpu_kernels: bool = True) -> AttentionBackend:
+def auto_backend(dtype: jnp.dtype, head_dim: int, page_size: int, cpu_kernels: bool = True,
+                 kv_cache_dtype: str = "auto") -> AttentionBackend:
     """What `auto` picks on this process's default platform, for callers that run the model without an engine
     (tests, scripts): the same choice, made where the model is traced."""
-    return select_backend("auto", jax.default_backend(), dtype, head_dim, page_size, cpu_kernels=cpu_kernels)
+    return select_backend("auto", jax.default_backend(), dtype, head_dim, page_size, cpu_kernels=cpu_kernels,
+                          kv_cache_dtype=kv_cache_dtype)
 
 
 def finest_chunk(page_size: int) -> int:

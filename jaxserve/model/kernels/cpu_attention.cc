@@ -6,14 +6,21 @@
 // page_table [S, W]; kv_lens [S]; cu_q_lens [S+1]; num_seqs []) and computes causal GQA attention over every
 // sequence's pages with an online softmax. Work items are (sequence, KV head) pairs, with long chunks split into
 // tiles of query rows, spread over XLA's intra-op thread pool. Padded rows come back as zeros. Vectors and register
-// blocks follow the instruction set built for (cpu_vec.h).
+// blocks follow the instruction set built for (cpu_vec.h). A second handler reads quantized pools
+// (`--kv-cache-dtype int8|fp8`, kv_quant.py): one-byte codes converted to floats in registers, and one float32
+// scale per token per KV head folded into the key's scores and the value's row.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
 
 #include "cpu_pool.h"
 #include "cpu_vec.h"
@@ -36,22 +43,82 @@ using jaxserve::Sum;
 using jaxserve::Vec;
 using jaxserve::WithBlock;
 
+// T: the pool's element: float, int8_t (int8 codes) or uint8_t (fp8 e4m3fn codes, as bits).
+template <typename T>
 struct Problem {
   const float* q;
-  const float* k;
-  const float* v;
+  const T* k;
+  const T* v;
   float* out;
   const int32_t* page_table;
   const int32_t* kv_lens;
   const int32_t* cu_q_lens;
   int64_t heads, kv_heads, group, page_size, table_width;
   float scale;
+  const float* k_scale = nullptr;  // quantized pools: [pages, page_size, kv_heads], one scale a row
+  const float* v_scale = nullptr;
 };
 
-// The K and V rows of a block of keys of one sequence's KV head.
+template <typename T>
+constexpr bool kQuantized = !std::is_same_v<T, float>;
+
+// An fp8 (e4m3fn) code's value: 2^(e-7) (1 + m/8), subnormals m 2^-9; 256 entries, for the scalar paths.
+struct Fp8Table {
+  float v[256];
+  Fp8Table() {
+    for (int c = 0; c < 256; ++c) {
+      const int e = (c >> 3) & 15, m = c & 7;
+      const float mag = e == 0 ? m * 0.001953125f : std::ldexp(1.0f + m / 8.0f, e - 7);
+      v[c] = c & 0x80 ? -mag : mag;
+    }
+  }
+};
+const Fp8Table kFp8;
+
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(int8_t x) { return static_cast<float>(x); }
+inline float ToFloat(uint8_t x) { return kFp8.v[x]; }
+
+// kLanes pool elements as floats. int8: sign-extended and converted (GCC 12 lowers __builtin_convertvector from
+// int8 one lane at a time). fp8: each code's bits moved into a half's (sign to bit 15, exponent and mantissa up by
+// 7), converted by vcvtph2ps and scaled by 2^8 (the biases differ by 15 - 7): exact for every code, subnormals too.
+inline Vec LoadRow(const float* p) { return Load(p); }
+inline Vec LoadRow(const int8_t* p) {
+#if JAXSERVE_LANES == 16 && defined(__AVX512F__)
+  return (Vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif JAXSERVE_LANES == 8 && defined(__AVX2__)
+  return (Vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  Vec v;
+  for (int i = 0; i < kLanes; ++i) v[i] = p[i];
+  return v;
+#endif
+}
+inline Vec LoadRow(const uint8_t* p) {
+#if JAXSERVE_LANES == 16 && defined(__AVX512F__)
+  const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8));
+  return (Vec)_mm512_cvtph_ps(h) * 256.0f;
+#elif JAXSERVE_LANES == 8 && defined(__AVX2__) && defined(__F16C__)
+  const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7f)), 7),
+                                 _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8));
+  return (Vec)_mm256_cvtph_ps(h) * 256.0f;
+#else
+  Vec v;
+  for (int i = 0; i < kLanes; ++i) v[i] = kFp8.v[p[i]];
+  return v;
+#endif
+}
+
+// The K and V rows of a block of keys of one sequence's KV head, and (quantized pools) their scales.
+template <typename T>
 struct KeyBlock {
-  const float* k[kBlockKeys];
-  const float* v[kBlockKeys];
+  const T* k[kBlockKeys];
+  const T* v[kBlockKeys];
+  float ks[kBlockKeys];
+  float vs[kBlockKeys];
 };
 
 // Points `b` at the rows of keys [k0, k0 + nk) of KV head h (`row`: the sequence's page-table row), page by page:
@@ -59,20 +126,26 @@ struct KeyBlock {
 // is walked from the offset inside it). With `prefetch`, the rows are also requested into L2: the next block's,
 // while the current one is computed, since a block's pages are scattered over the pool where the hardware
 // prefetcher cannot follow them.
-template <int D>
-void PointKeys(const Problem& p, const int32_t* row, int h, int k0, int nk, KeyBlock& b, bool prefetch) {
+template <int D, typename T>
+void PointKeys(const Problem<T>& p, const int32_t* row, int h, int k0, int nk, KeyBlock<T>& b, bool prefetch) {
   const int ps = static_cast<int>(p.page_size);
   const int64_t stride = p.kv_heads * D;
+  constexpr int kLineElems = kLineFloats * sizeof(float) / sizeof(T);
   for (int j = 0; j < nk;) {
     const int t = k0 + j;
     const int in_page = t % ps;
     const int run = std::min(ps - in_page, nk - j);
-    const int64_t base = (static_cast<int64_t>(row[t / ps]) * ps + in_page) * stride + h * D;
+    const int64_t token = static_cast<int64_t>(row[t / ps]) * ps + in_page;
+    const int64_t base = token * stride + h * D;
     for (int i = 0; i < run; ++i, ++j) {
       b.k[j] = p.k + base + i * stride;
       b.v[j] = p.v + base + i * stride;
+      if constexpr (kQuantized<T>) {
+        b.ks[j] = p.k_scale[(token + i) * p.kv_heads + h];
+        b.vs[j] = p.v_scale[(token + i) * p.kv_heads + h];
+      }
       if (prefetch) {
-        for (int c = 0; c < D; c += kLineFloats) {
+        for (int c = 0; c < D; c += kLineElems) {
           __builtin_prefetch(b.k[j] + c, 0, 2);
           __builtin_prefetch(b.v[j] + c, 0, 2);
         }
@@ -83,8 +156,8 @@ void PointKeys(const Problem& p, const int32_t* row, int h, int k0, int nk, KeyB
 
 // Attention of sequence s's query rows of KV head h. D is the head dimension (a template parameter so the
 // inner loops unroll into whole SIMD registers).
-template <int D>
-void Attend(const Problem& p, int s, int h, std::vector<float>& scratch) {
+template <int D, typename T>
+void Attend(const Problem<T>& p, int s, int h, std::vector<float>& scratch) {
   const int q0 = p.cu_q_lens[s];
   const int q_len = p.cu_q_lens[s + 1] - q0;
   const int kv_len = p.kv_lens[s];
@@ -114,15 +187,17 @@ void Attend(const Problem& p, int s, int h, std::vector<float>& scratch) {
   std::memset(acc, 0, sizeof(float) * m_rows * D);
 
   const int32_t* row = p.page_table + static_cast<int64_t>(s) * p.table_width;
-  KeyBlock blocks[2];
+  KeyBlock<T> blocks[2];
   PointKeys<D>(p, row, h, 0, std::min(kBlockKeys, kv_len), blocks[0], false);
   for (int k0 = 0, cur = 0; k0 < kv_len; k0 += kBlockKeys, cur ^= 1) {
     const int nk = std::min(kBlockKeys, kv_len - k0);
     if (k0 + kBlockKeys < kv_len) {
       PointKeys<D>(p, row, h, k0 + kBlockKeys, std::min(kBlockKeys, kv_len - k0 - kBlockKeys), blocks[cur ^ 1], true);
     }
-    const float* const* kp = blocks[cur].k;
-    const float* const* vp = blocks[cur].v;
+    const T* const* kp = blocks[cur].k;
+    const T* const* vp = blocks[cur].v;
+    const float* ks = blocks[cur].ks;
+    const float* vs = blocks[cur].vs;
     // Scores: each key row is read once for all query rows of this KV head that see it.
     // Limits grow with the row, so the rows that see any of this block are a suffix [first, m_rows); the
     // earlier rows' keys all lie in earlier blocks.
@@ -131,7 +206,10 @@ void Attend(const Problem& p, int s, int h, std::vector<float>& scratch) {
     constexpr int C = D / kLanes;  // vectors a row
     for (int j = 0; j < nk; ++j) {
       Vec kv[C];
-      for (int c = 0; c < C; ++c) kv[c] = Load(kp[j] + c * kLanes);
+      for (int c = 0; c < C; ++c) kv[c] = LoadRow(kp[j] + c * kLanes);
+      if constexpr (kQuantized<T>) {
+        for (int c = 0; c < C; ++c) kv[c] *= ks[j];
+      }
       for (int m = first; m < m_rows; ++m) {
         const float* qm = qs + m * D;
         Vec a = Load(qm) * kv[0];
@@ -159,9 +237,10 @@ void Attend(const Problem& p, int s, int h, std::vector<float>& scratch) {
       Vec o[C];
       for (int c = 0; c < C; ++c) o[c] = Load(am + c * kLanes) * alpha;
       for (int j = 0; j < visible; ++j) {
-        const float* vj = vp[j];
-        const float pj = sm[j];
-        for (int c = 0; c < C; ++c) o[c] += pj * Load(vj + c * kLanes);
+        const T* vj = vp[j];
+        float pj = sm[j];
+        if constexpr (kQuantized<T>) pj *= vs[j];
+        for (int c = 0; c < C; ++c) o[c] += pj * LoadRow(vj + c * kLanes);
       }
       for (int c = 0; c < C; ++c) Store(am + c * kLanes, o[c]);
     }
@@ -199,8 +278,9 @@ inline Vec Exp(Vec x) {
 
 // Scores of 4 keys against NV vectors of query rows: st[kk * mp + row] = q[row] . key[kk], with q transposed
 // ([D][mp]) so each key element is one broadcast against a vector of rows.
-template <int D, int NV>
-inline void ScoreKeys(const float* qt, int mp, const float* const* keys, float* st) {
+// Quantized pools: `ks` holds the 4 keys' scales, applied to their scores as they are stored.
+template <int D, int NV, typename T>
+inline void ScoreKeys(const float* qt, int mp, const T* const* keys, const float* ks, float* st) {
   Vec acc[4][NV];
   for (int kk = 0; kk < 4; ++kk)
     for (int v = 0; v < NV; ++v) acc[kk][v] = Vec{};
@@ -208,16 +288,18 @@ inline void ScoreKeys(const float* qt, int mp, const float* const* keys, float* 
     Vec qv[NV];
     for (int v = 0; v < NV; ++v) qv[v] = Load(qt + d * mp + v * kLanes);
     for (int kk = 0; kk < 4; ++kk) {
-      const float kd = keys[kk][d];
+      const float kd = ToFloat(keys[kk][d]);
       for (int v = 0; v < NV; ++v) acc[kk][v] += kd * qv[v];
     }
   }
-  for (int kk = 0; kk < 4; ++kk)
-    for (int v = 0; v < NV; ++v) Store(st + kk * mp + v * kLanes, acc[kk][v]);
+  for (int kk = 0; kk < 4; ++kk) {
+    const float scale = kQuantized<T> ? ks[kk] : 1.0f;
+    for (int v = 0; v < NV; ++v) Store(st + kk * mp + v * kLanes, kQuantized<T> ? acc[kk][v] * scale : acc[kk][v]);
+  }
 }
 
-template <int D>
-void ScoreBlock(const float* qt, int mp, const float* const* keys, int nk4, float* st) {
+template <int D, typename T>
+void ScoreBlock(const float* qt, int mp, const T* const* keys, const float* ks, int nk4, float* st) {
   // 4 keys x NV vectors of accumulators, NV vectors of q and a key's broadcast in the register file (AVX-512: 6,
   // 24 accumulators of its 32 registers; AVX2: 3).
   constexpr int kMaxNV = (kVecRegs - 1) / 5;
@@ -226,7 +308,7 @@ void ScoreBlock(const float* qt, int mp, const float* const* keys, int nk4, floa
     const float* q = qt + v0 * kLanes;
     float* s = st + v0 * kLanes;
     WithBlock<kMaxNV>(nv, [&](auto n) {
-      for (int j = 0; j < nk4; j += 4) ScoreKeys<D, decltype(n)::value>(q, mp, keys + j, s + j * mp);
+      for (int j = 0; j < nk4; j += 4) ScoreKeys<D, decltype(n)::value>(q, mp, keys + j, ks + j, s + j * mp);
     });
   }
 }
@@ -247,8 +329,8 @@ constexpr int kMinTileRows = 8;
 // Attention of query tokens [r0, r1) of sequence s (chunk-relative) for KV head h, as small GEMMs: Q^T is laid
 // out once per tile, each 64-key block is scored by broadcasting key elements against a vector of rows at a time,
 // the online softmax runs a vector of rows at a time, and P.V accumulates a few rows' outputs in registers per key.
-template <int D>
-void AttendTile(const Problem& p, int s, int h, int r0, int r1, std::vector<float>& scratch) {
+template <int D, typename T>
+void AttendTile(const Problem<T>& p, int s, int h, int r0, int r1, std::vector<float>& scratch) {
   constexpr int C = D / kLanes;
   constexpr int MR = PvRows(C);
   const int q0 = p.cu_q_lens[s];
@@ -283,7 +365,7 @@ void AttendTile(const Problem& p, int s, int h, int r0, int r1, std::vector<floa
   const int32_t* row = p.page_table + static_cast<int64_t>(s) * p.table_width;
   const int kv_end = std::min(kv_len, ctx + r1);  // the last row's limit
   const int first_limit = ctx + r0 + 1;           // the first row's
-  KeyBlock blocks[2];
+  KeyBlock<T> blocks[2];
   PointKeys<D>(p, row, h, 0, std::min(kBlockKeys, kv_end), blocks[0], false);
   for (int k0 = 0, cur = 0; k0 < kv_end; k0 += kBlockKeys, cur ^= 1) {
     const int nk = std::min(kBlockKeys, kv_end - k0);
@@ -291,11 +373,13 @@ void AttendTile(const Problem& p, int s, int h, int r0, int r1, std::vector<floa
     if (k0 + kBlockKeys < kv_end) {
       PointKeys<D>(p, row, h, k0 + kBlockKeys, std::min(kBlockKeys, kv_end - k0 - kBlockKeys), blocks[cur ^ 1], true);
     }
-    const float** kp = blocks[cur].k;
-    const float* const* vp = blocks[cur].v;
-    for (int j = nk; j < nk4; ++j) kp[j] = kp[0];  // scored, then masked: every such key lies past every limit
+    const T** kp = blocks[cur].k;
+    const T* const* vp = blocks[cur].v;
+    float* ks = blocks[cur].ks;
+    const float* vs = blocks[cur].vs;
+    for (int j = nk; j < nk4; ++j) kp[j] = kp[0], ks[j] = ks[0];  // scored, then masked: past every limit
 
-    ScoreBlock<D>(qt, mp, kp, nk4, st);
+    ScoreBlock<D>(qt, mp, kp, ks, nk4, st);
     const bool masked = k0 + nk4 > first_limit;
     for (int v = 0; v < mp; v += kLanes) {
       const Vec lim = Load(limit + v);
@@ -327,7 +411,10 @@ void AttendTile(const Problem& p, int s, int h, int r0, int r1, std::vector<floa
         for (int c = 0; c < C; ++c) o[i][c] = Load(acc + (m + i) * D + c * kLanes) * alpha[m + i];
       for (int j = 0; j < nk; ++j) {
         Vec vv[C];
-        for (int c = 0; c < C; ++c) vv[c] = Load(vp[j] + c * kLanes);
+        for (int c = 0; c < C; ++c) vv[c] = LoadRow(vp[j] + c * kLanes);
+        if constexpr (kQuantized<T>) {
+          for (int c = 0; c < C; ++c) vv[c] *= vs[j];
+        }
         const float* pj = st + j * mp + m;
         for (int i = 0; i < MR; ++i)
           for (int c = 0; c < C; ++c) o[i][c] += pj[i] * vv[c];
@@ -355,14 +442,15 @@ struct Item {
   int64_t cost;  // query rows x keys they see, to hand out the largest items first
 };
 
-template <int D>
-void AttendItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
+template <int D, typename T>
+void AttendItem(const Problem<T>& p, const Item& it, std::vector<float>& scratch) {
   const int q_len = p.cu_q_lens[it.s + 1] - p.cu_q_lens[it.s];
   if (q_len * p.group < kMinTileRows) return Attend<D>(p, it.s, it.h, scratch);
   AttendTile<D>(p, it.s, it.h, it.r0, it.r1, scratch);
 }
 
-void AttendAny(const Problem& p, int head_dim, const Item& it, std::vector<float>& scratch) {
+template <typename T>
+void AttendAny(const Problem<T>& p, int head_dim, const Item& it, std::vector<float>& scratch) {
   switch (head_dim) {
     case 16: return AttendItem<16>(p, it, scratch);
     case 32: return AttendItem<32>(p, it, scratch);
@@ -375,35 +463,29 @@ void AttendAny(const Problem& p, int head_dim, const Item& it, std::vector<float
   }
 }
 
-ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
-                              ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> page_table,
-                              ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> cu_q_lens,
-                              ffi::Buffer<ffi::S32> num_seqs, float scale,
-                              ffi::ResultBuffer<ffi::F32> out) {
-  const auto q_dims = q.dimensions();
-  const auto kv_dims = k_cache.dimensions();
-  if (q_dims.size() != 3 || kv_dims.size() != 4 || page_table.dimensions().size() != 2) {
-    return ffi::Error::InvalidArgument("paged attention: q must be [T, H, D], K/V [pages, page_size, kvh, D]");
+// Why q [T, H, D] and pools [pages, page_size, kvh, D] cannot run here, or "" when they can.
+const char* ShapeError(ffi::Span<const int64_t> q_dims, ffi::Span<const int64_t> kv_dims, size_t table_rank) {
+  if (q_dims.size() != 3 || kv_dims.size() != 4 || table_rank != 2) {
+    return "paged attention: q must be [T, H, D], K/V [pages, page_size, kvh, D]";
   }
-  const int64_t tokens = q_dims[0], heads = q_dims[1], head_dim = q_dims[2];
-  const int64_t kv_heads = kv_dims[2];
-  if (kv_dims[3] != head_dim || heads % kv_heads != 0) {
-    return ffi::Error::InvalidArgument("paged attention: head dimensions of q and K/V disagree");
+  if (kv_dims[3] != q_dims[2] || q_dims[1] % kv_dims[2] != 0) {
+    return "paged attention: head dimensions of q and K/V disagree";
   }
-  if (head_dim != 16 && head_dim != 32 && head_dim != 64 && head_dim != 80 && head_dim != 96 && head_dim != 128 &&
-      head_dim != 256) {
-    return ffi::Error::InvalidArgument("paged attention: head_dim must be 16, 32, 64, 80, 96, 128 or 256");
+  const int64_t d = q_dims[2];
+  if (d != 16 && d != 32 && d != 64 && d != 80 && d != 96 && d != 128 && d != 256) {
+    return "paged attention: head_dim must be 16, 32, 64, 80, 96, 128 or 256";
   }
+  return "";
+}
 
-  const Problem problem{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), out->typed_data(),
-                        page_table.typed_data(), kv_lens.typed_data(), cu_q_lens.typed_data(),
-                        heads, kv_heads, heads / kv_heads, kv_dims[1], page_table.dimensions()[1], scale};
+template <typename T>
+ffi::Error Attention(ffi::ThreadPool& pool, const Problem<T>& problem, int64_t tokens, int64_t head_dim, int seqs) {
   std::vector<Item> items;
-  const int32_t* cu = cu_q_lens.typed_data();
-  const int seqs = num_seqs.typed_data()[0];
-  float* o = out->typed_data();
+  const int32_t* cu = problem.cu_q_lens;
+  float* o = problem.out;
+  const int64_t heads = problem.heads, kv_heads = problem.kv_heads;
   const int64_t row_floats = heads * head_dim;
-  const int32_t* lens = kv_lens.typed_data();
+  const int32_t* lens = problem.kv_lens;
   const int group = static_cast<int>(heads / kv_heads);
   const int tile_tokens = std::max(1, kTileRows / group);
   for (int s = 0; s < seqs; ++s) {
@@ -435,12 +517,76 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   return ffi::Error::Success();
 }
 
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                              ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> page_table,
+                              ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> cu_q_lens,
+                              ffi::Buffer<ffi::S32> num_seqs, float scale,
+                              ffi::ResultBuffer<ffi::F32> out) {
+  const auto q_dims = q.dimensions();
+  const auto kv_dims = k_cache.dimensions();
+  if (const char* e = ShapeError(q_dims, kv_dims, page_table.dimensions().size()); *e) {
+    return ffi::Error::InvalidArgument(e);
+  }
+  const int64_t heads = q_dims[1], kv_heads = kv_dims[2];
+  const Problem<float> problem{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), out->typed_data(),
+                               page_table.typed_data(), kv_lens.typed_data(), cu_q_lens.typed_data(),
+                               heads, kv_heads, heads / kv_heads, kv_dims[1], page_table.dimensions()[1], scale};
+  return Attention(pool, problem, q_dims[0], q_dims[2], num_seqs.typed_data()[0]);
+}
+
+// The same over a quantized pool: int8 or fp8 (e4m3fn) codes and their float32 scales [pages, page_size, kvh].
+ffi::Error QuantizedPagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_codes,
+                                       ffi::AnyBuffer v_codes, ffi::Buffer<ffi::F32> k_scales,
+                                       ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> page_table,
+                                       ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> cu_q_lens,
+                                       ffi::Buffer<ffi::S32> num_seqs, float scale,
+                                       ffi::ResultBuffer<ffi::F32> out) {
+  const auto q_dims = q.dimensions();
+  const auto kv_dims = k_codes.dimensions();
+  if (const char* e = ShapeError(q_dims, kv_dims, page_table.dimensions().size()); *e) {
+    return ffi::Error::InvalidArgument(e);
+  }
+  const auto type = k_codes.element_type();
+  if (v_codes.element_type() != type || k_scales.dimensions().size() != 3 ||
+      k_scales.element_count() * kv_dims[3] != k_codes.element_count()) {
+    return ffi::Error::InvalidArgument("paged attention: K/V codes or scales disagree");
+  }
+  const int64_t heads = q_dims[1], kv_heads = kv_dims[2];
+  const int seqs = num_seqs.typed_data()[0];
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    Problem<T> problem{q.typed_data(), static_cast<const T*>(k_codes.untyped_data()),
+                       static_cast<const T*>(v_codes.untyped_data()), out->typed_data(), page_table.typed_data(),
+                       kv_lens.typed_data(), cu_q_lens.typed_data(), heads, kv_heads, heads / kv_heads, kv_dims[1],
+                       page_table.dimensions()[1], scale, k_scales.typed_data(), v_scales.typed_data()};
+    return Attention(pool, problem, q_dims[0], q_dims[2], seqs);
+  };
+  if (type == ffi::DataType::S8) return run(int8_t{});
+  if (type == ffi::DataType::F8E4M3FN) return run(uint8_t{});
+  return ffi::Error::InvalidArgument("paged attention: quantized K/V must be int8 or float8_e4m3fn codes");
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedPagedAttention, QuantizedPagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

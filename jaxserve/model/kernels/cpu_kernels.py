@@ -33,7 +33,8 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.cc", 
 # included by the sources: part of the build's key
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_pool.h", "cpu_vec.h"))
 # XLA custom-call target -> the handler symbol the library exports for it
-TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention", "jaxserve_matmul": "JaxserveMatmul",
+TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention",
+           "jaxserve_quantized_paged_attention": "JaxserveQuantizedPagedAttention", "jaxserve_matmul": "JaxserveMatmul",
            "jaxserve_matmul_nt": "JaxserveMatmulNT", "jaxserve_matmul_int8": "JaxserveMatmulInt8",
            "jaxserve_grouped_matmul": "JaxserveGroupedMatmul"}
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
