@@ -6,7 +6,8 @@ A backend is called as `backend(q, k_cache, v_cache, meta, scale)` inside the ji
 
 - q [T, H, D]: the step's queries; T padded tokens, decodes first (one token each), then prefill chunks, then
   padding;
-- k_cache, v_cache [num_pages, page_size, kv_heads, D]: one layer's pool, page 0 the trash page;
+- k_cache, v_cache [num_pages, page_size, kv_heads, D]: one layer's pool, page 0 the trash page; with
+  `--kv-cache-dtype int8|fp8` each a `kv_quant.QuantizedPool` (codes and per-row scales), which every backend reads;
 - meta (`AttentionMetadata`): cu_q_lens [S+1], kv_lens [S] (context including this step's tokens), the page
   table [S, P], num_seqs, num_decodes; padded sequences have q_len 0 and kv_len 0.
 

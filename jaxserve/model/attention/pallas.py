@@ -28,6 +28,8 @@ Why Pallas-Triton and not Mosaic GPU, for Hopper too:
 
 Constraints (checked by `supports`, at selection time): head_dim and page_size powers of two, head_dim >= 16
 (Triton's tensors have power-of-two sizes; query groups are padded up to one); float32, bfloat16 or float16.
+Quantized pages (`--kv-cache-dtype int8|fp8`, `kv_quant.QuantizedPool`) are read as codes, converted to the
+queries' dtype in registers, with each token's scale on its scores (K) and on its probabilities (V).
 """
 
 from __future__ import annotations

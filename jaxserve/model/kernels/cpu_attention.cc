@@ -62,7 +62,7 @@ struct Problem {
 template <typename T>
 constexpr bool kQuantized = !std::is_same_v<T, float>;
 
-// An fp8 (e4m3fn) code's value: 2^(e-7) (1 + m/8), subnormals m 2^-9; 256 entries, for the scalar paths.
+// An fp8 (e4m3fn) code's value: 2^(e-7) (1 + m/8), subnormals m 2^-9; 256 entries, for the portable build.
 struct Fp8Table {
   float v[256];
   Fp8Table() {
@@ -74,10 +74,6 @@ struct Fp8Table {
   }
 };
 const Fp8Table kFp8;
-
-inline float ToFloat(float x) { return x; }
-inline float ToFloat(int8_t x) { return static_cast<float>(x); }
-inline float ToFloat(uint8_t x) { return kFp8.v[x]; }
 
 // kLanes pool elements as floats. int8: sign-extended and converted (GCC 12 lowers __builtin_convertvector from
 // int8 one lane at a time). fp8: each code's bits moved into a half's (sign to bit 15, exponent and mantissa up by
@@ -278,9 +274,8 @@ inline Vec Exp(Vec x) {
 
 // Scores of 4 keys against NV vectors of query rows: st[kk * mp + row] = q[row] . key[kk], with q transposed
 // ([D][mp]) so each key element is one broadcast against a vector of rows.
-// Quantized pools: `ks` holds the 4 keys' scales, applied to their scores as they are stored.
-template <int D, int NV, typename T>
-inline void ScoreKeys(const float* qt, int mp, const T* const* keys, const float* ks, float* st) {
+template <int D, int NV>
+inline void ScoreKeys(const float* qt, int mp, const float* const* keys, float* st) {
   Vec acc[4][NV];
   for (int kk = 0; kk < 4; ++kk)
     for (int v = 0; v < NV; ++v) acc[kk][v] = Vec{};
@@ -288,18 +283,16 @@ inline void ScoreKeys(const float* qt, int mp, const T* const* keys, const float
     Vec qv[NV];
     for (int v = 0; v < NV; ++v) qv[v] = Load(qt + d * mp + v * kLanes);
     for (int kk = 0; kk < 4; ++kk) {
-      const float kd = ToFloat(keys[kk][d]);
+      const float kd = keys[kk][d];
       for (int v = 0; v < NV; ++v) acc[kk][v] += kd * qv[v];
     }
   }
-  for (int kk = 0; kk < 4; ++kk) {
-    const float scale = kQuantized<T> ? ks[kk] : 1.0f;
-    for (int v = 0; v < NV; ++v) Store(st + kk * mp + v * kLanes, kQuantized<T> ? acc[kk][v] * scale : acc[kk][v]);
-  }
+  for (int kk = 0; kk < 4; ++kk)
+    for (int v = 0; v < NV; ++v) Store(st + kk * mp + v * kLanes, acc[kk][v]);
 }
 
-template <int D, typename T>
-void ScoreBlock(const float* qt, int mp, const T* const* keys, const float* ks, int nk4, float* st) {
+template <int D>
+void ScoreBlock(const float* qt, int mp, const float* const* keys, int nk4, float* st) {
   // 4 keys x NV vectors of accumulators, NV vectors of q and a key's broadcast in the register file (AVX-512: 6,
   // 24 accumulators of its 32 registers; AVX2: 3).
   constexpr int kMaxNV = (kVecRegs - 1) / 5;
@@ -308,7 +301,7 @@ void ScoreBlock(const float* qt, int mp, const T* const* keys, const float* ks, 
     const float* q = qt + v0 * kLanes;
     float* s = st + v0 * kLanes;
     WithBlock<kMaxNV>(nv, [&](auto n) {
-      for (int j = 0; j < nk4; j += 4) ScoreKeys<D, decltype(n)::value>(q, mp, keys + j, ks + j, s + j * mp);
+      for (int j = 0; j < nk4; j += 4) ScoreKeys<D, decltype(n)::value>(q, mp, keys + j, s + j * mp);
     });
   }
 }
@@ -340,7 +333,9 @@ void AttendTile(const Problem<T>& p, int s, int h, int r0, int r1, std::vector<f
   const int g = static_cast<int>(p.group);
   const int m_rows = (r1 - r0) * g;
   const int mp = (m_rows + kLanes - 1) / kLanes * kLanes;
-  scratch.resize(static_cast<size_t>(mp) * (2 * D + kBlockKeys + 4));
+  // Quantized pools: each block's keys and values are converted once into floats (times their scales) for all
+  // of the tile's rows, since the score loop reads a key one broadcast element at a time.
+  scratch.resize(static_cast<size_t>(mp) * (2 * D + kBlockKeys + 4) + (kQuantized<T> ? 2 * kBlockKeys * D : 0));
   float* qt = scratch.data();             // [D][mp]
   float* acc = qt + mp * D;               // [mp][D]
   float* st = acc + mp * D;               // [kBlockKeys][mp]
@@ -348,6 +343,8 @@ void AttendTile(const Problem<T>& p, int s, int h, int r0, int r1, std::vector<f
   float* den = mx + mp;                   // [mp] running denominator
   float* alpha = den + mp;                // [mp] this block's rescale
   float* limit = alpha + mp;              // [mp] keys [0, limit) are visible to the row
+  float* kbuf = limit + mp;               // quantized pools: [kBlockKeys][D] keys, then values, as floats
+  float* vbuf = kbuf + kBlockKeys * D;
 
   std::memset(qt, 0, sizeof(float) * mp * D);
   for (int r = r0; r < r1; ++r) {
@@ -373,13 +370,23 @@ void AttendTile(const Problem<T>& p, int s, int h, int r0, int r1, std::vector<f
     if (k0 + kBlockKeys < kv_end) {
       PointKeys<D>(p, row, h, k0 + kBlockKeys, std::min(kBlockKeys, kv_end - k0 - kBlockKeys), blocks[cur ^ 1], true);
     }
-    const T** kp = blocks[cur].k;
-    const T* const* vp = blocks[cur].v;
-    float* ks = blocks[cur].ks;
-    const float* vs = blocks[cur].vs;
-    for (int j = nk; j < nk4; ++j) kp[j] = kp[0], ks[j] = ks[0];  // scored, then masked: past every limit
+    const float* kp[kBlockKeys];
+    const float* vp[kBlockKeys];
+    for (int j = 0; j < nk; ++j) {
+      if constexpr (kQuantized<T>) {
+        const KeyBlock<T>& b = blocks[cur];
+        for (int c = 0; c < C; ++c) {
+          Store(kbuf + j * D + c * kLanes, LoadRow(b.k[j] + c * kLanes) * b.ks[j]);
+          Store(vbuf + j * D + c * kLanes, LoadRow(b.v[j] + c * kLanes) * b.vs[j]);
+        }
+        kp[j] = kbuf + j * D, vp[j] = vbuf + j * D;
+      } else {
+        kp[j] = blocks[cur].k[j], vp[j] = blocks[cur].v[j];
+      }
+    }
+    for (int j = nk; j < nk4; ++j) kp[j] = kp[0];  // scored, then masked: every such key lies past every limit
 
-    ScoreBlock<D>(qt, mp, kp, ks, nk4, st);
+    ScoreBlock<D>(qt, mp, kp, nk4, st);
     const bool masked = k0 + nk4 > first_limit;
     for (int v = 0; v < mp; v += kLanes) {
       const Vec lim = Load(limit + v);
@@ -411,10 +418,7 @@ void AttendTile(const Problem<T>& p, int s, int h, int r0, int r1, std::vector<f
         for (int c = 0; c < C; ++c) o[i][c] = Load(acc + (m + i) * D + c * kLanes) * alpha[m + i];
       for (int j = 0; j < nk; ++j) {
         Vec vv[C];
-        for (int c = 0; c < C; ++c) vv[c] = LoadRow(vp[j] + c * kLanes);
-        if constexpr (kQuantized<T>) {
-          for (int c = 0; c < C; ++c) vv[c] *= vs[j];
-        }
+        for (int c = 0; c < C; ++c) vv[c] = Load(vp[j] + c * kLanes);
         const float* pj = st + j * mp + m;
         for (int i = 0; i < MR; ++i)
           for (int c = 0; c < C; ++c) o[i][c] += pj[i] * vv[c];
