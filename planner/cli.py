@@ -50,7 +50,7 @@ def _positive(name: str, value: float | None) -> None:
 @click.option("--quantization", default=None, type=click.Choice(QUANTIZED_WEIGHTS),
               help="vLLM's name: the weights' stored dtype (int8 or fp8), in place of --dtype.")
 @click.option("--kv-cache-dtype", default="auto", show_default=True, type=click.Choice(("auto", *DTYPES)),
-              help="vLLM's name for --kv-dtype (auto: the weights' dtype).")
+              help="vLLM's name for --kv-dtype (auto: --dtype, also under --quantization, as vLLM and the runtime).")
 @click.option("--gpu-memory-utilization", default=0.9, show_default=True, type=float,
               help="Fraction of device memory for weights + workspace + KV.")
 @click.option("--num-scheduler-steps", default=1, show_default=True, type=int,
@@ -76,11 +76,12 @@ def plan(model: str, hardware: str, num_devices: int | None, input_len: int, out
     """Plan a deployment: TP, replicas, max_num_seqs, chunk size, and the TTFT/TPOT users will see."""
     if num_devices is None:
         num_devices = tp if tp and tp > 0 else 1
-    dtype = quantization or dtype
     if kv_cache_dtype != "auto":
         if kv_dtype is not None and kv_dtype != kv_cache_dtype:
             raise click.UsageError(f"--kv-dtype {kv_dtype} and --kv-cache-dtype {kv_cache_dtype} disagree; give one")
         kv_dtype = kv_cache_dtype
+    if quantization:  # the weights' codes; an auto KV cache stays in the model's dtype, as in vLLM and the runtime
+        kv_dtype, dtype = kv_dtype or dtype, quantization
     if request_rate is not None and concurrency is not None:
         raise click.UsageError("give --request-rate or --concurrency, not both")
     for name, v in [("--num-devices", num_devices), ("--input-len", input_len), ("--output-len", output_len),

@@ -108,16 +108,18 @@ class Calibration:
 
     hardware: Hardware
     fit: FitResult
-    dtype: str  # planner dtype name of the measured engine: fp32 | bf16 | fp16
+    dtype: str  # planner dtype name of the measured engine's weights: fp32 | bf16 | fp16 | int8 | fp8
     samples: list[StepSample] = field(default_factory=list)
     measurements: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
+    kv_dtype: str | None = None  # the KV pool's planner dtype name, where it is not `dtype`
 
     def profile(self) -> dict[str, Any]:
         """The profile JSON object (loadable by planner.hardware.load_hardware)."""
         d = self.hardware.to_profile()
         d["device"] = self.measurements.get("device", "")
-        d["notes"] = (f"jaxserve calibrate on {self.measurements.get('model')} in {self.dtype}: "
+        kv = f", KV in {self.kv_dtype}" if self.kv_dtype and self.kv_dtype != self.dtype else ""
+        d["notes"] = (f"jaxserve calibrate on {self.measurements.get('model')} in {self.dtype}{kv}: "
                       f"step-time fit median |error| {self.fit.median_abs_error:.1%}, max {self.fit.max_abs_error:.1%} "
                       f"over {len(self.samples)} engine steps; per-layer overhead folded into step_overhead_s")
         d["measurements"] = self.measurements
@@ -126,6 +128,14 @@ class Calibration:
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(self.profile(), indent=2) + "\n")
+
+
+def planner_dtypes(engine) -> tuple[str, str]:
+    """The planner's dtype names of what `engine` runs: its weights (`--quantization` int8/fp8, else its float
+    dtype) and its KV pool (`--kv-cache-dtype`, else its float dtype). The profile is calibrated, and the report
+    priced, in these: an int8 engine's weight term is one byte a weight at the rate its int8 matmul reads codes."""
+    config, float_name = engine.config, planner_dtype(engine.dtype)
+    return config.quantization or float_name, float_name if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
 
 
 def calibrate(engine, cfg: CalibrationConfig | None = None, progress: Progress | None = None,
@@ -139,16 +149,18 @@ def calibrate(engine, cfg: CalibrationConfig | None = None, progress: Progress |
 def _calibrate(engine, cfg: CalibrationConfig, progress: Progress | None, seed: int) -> Calibration:
     say = progress or (lambda phase, frac: None)
     t0 = time.monotonic()
-    dtype = planner_dtype(engine.dtype)
+    dtype, kv_dtype = planner_dtypes(engine)
     spec = engine.spec
     say("memory bandwidth", 0.0)
     bw = measure_bandwidth(cfg.bandwidth_bytes)
     say("matmul peak", 0.05)
     peak = measure_matmul(cfg.matmul_n, engine.dtype)
     say("GEMM rows", 0.1)
+    weights = engine_mlp_weights(engine)  # the engine's own: int8/fp8 codes in a quantized engine
     gemm = measure_gemm_rows(cfg.gemm_rows, spec.hidden_size, 2 * spec.intermediate_size, engine.dtype,
-                             cpu_kernel=engine.runner.cpu_kernels, plan=engine.runner.kernel_plan)
-    hw, device = local_hardware(bw, peak, dtype)
+                             cpu_kernel=engine.runner.cpu_kernels, plan=engine.runner.kernel_plan,
+                             weight=weights[0] if engine.config.quantization else None)
+    hw, device = local_hardware(bw, peak, planner_dtype(engine.dtype), weight_dtype=dtype)
     ids = PromptSource(engine, seed)
     budget = min(engine.config.max_num_batched_tokens, engine.config.chunk_size)
     samples: list[StepSample] = []
@@ -186,24 +198,28 @@ def _calibrate(engine, cfg: CalibrationConfig, progress: Progress | None, seed: 
     # layer's widest weight, the engine's own; their bandwidth over the stream's is weight_bw_eff. One row runs
     # another kernel on a CPU (XLA's GEMV), whose rate the fit takes from the engine's one-decode steps
     # (gemv_speedup): measured apart, its stream jumped between calibrations while the engine's one-row steps did
-    # not (docs/tuning.md). The one-row stream is kept as a measurement.
-    streams = measure_weight_streams(engine_mlp_weights(engine), cpu_kernel=engine.runner.cpu_kernels,
-                                     plan=engine.runner.kernel_plan)
+    # not (docs/tuning.md). The one-row stream is kept as a measurement. A quantized engine's weights are its
+    # codes, read by its own matmul (the int8 kernel converts them in registers, slower per byte than the float
+    # kernel streams floats), so weight_bw_eff is then that matmul's rate, applied to the planner's byte a weight.
+    streams = measure_weight_streams(weights, cpu_kernel=engine.runner.cpu_kernels, plan=engine.runner.kernel_plan,
+                                     dtype=engine.dtype)
     stream, stream_rows = streams[1], streams[2]
     fixed = {"weight_bw_eff": float(np.clip(stream_rows / bw, 0.01, 1.5))}
     coefficients, _ = fit_coefficients(spec, hw, [Sample(s.shape, s.seconds) for s in samples], dtype=dtype,
-                                       fixed=fixed)
+                                       kv_dtype=kv_dtype, fixed=fixed)
     hw = hw.with_coefficients(**{**coefficients.to_dict(), "dispatch_overhead_s": dispatch})
-    errors = [step_time_shape(spec, hw, s.shape, dtype=dtype).total_s / s.seconds - 1 for s in samples]
+    errors = [step_time_shape(spec, hw, s.shape, dtype=dtype, kv_dtype=kv_dtype).total_s / s.seconds - 1
+              for s in samples]
     fit = FitResult(median_abs_error=float(np.median(np.abs(errors))), max_abs_error=float(np.max(np.abs(errors))),
                     errors=errors, fixed=fixed)
     attention = _attention_slopes(samples)
     measurements = {
-        "device": device, "model": spec.name, "dtype": dtype, "memory_bandwidth_gbps": bw / GIGA,
+        "device": device, "model": spec.name, "dtype": dtype, "kv_dtype": kv_dtype,
+        "compute_dtype": planner_dtype(engine.dtype), "memory_bandwidth_gbps": bw / GIGA,
         "matmul_tflops": peak / 1e12, "matmul_n": cfg.matmul_n, "gemm_rows": gemm, "fixed_coefficients": fixed,
         "weight_stream_gbps": stream / GIGA, "weight_stream_2_rows_gbps": stream_rows / GIGA,
         "attention_us_per_seq_token": attention, "dispatch_overhead_ms": dispatch * 1e3,
-        "recommended_num_scheduler_steps": choose_num_scheduler_steps(spec, hw, dtype=dtype),
+        "recommended_num_scheduler_steps": choose_num_scheduler_steps(spec, hw, dtype=dtype, kv_dtype=kv_dtype),
         "engine": {"max_num_seqs": engine.config.max_num_seqs,
                    "max_num_batched_tokens": engine.config.max_num_batched_tokens,
                    "chunk_size": engine.config.chunk_size, "page_size": engine.config.page_size},
@@ -213,7 +229,7 @@ def _calibrate(engine, cfg: CalibrationConfig, progress: Progress | None, seed: 
     }
     say("done", 1.0)
     return Calibration(hardware=hw, fit=fit, dtype=dtype, samples=samples, measurements=measurements,
-                       seconds=time.monotonic() - t0)
+                       seconds=time.monotonic() - t0, kv_dtype=kv_dtype)
 
 
 def _attention_slopes(samples: list[StepSample]) -> dict[str, float]:

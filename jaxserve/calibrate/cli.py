@@ -22,7 +22,8 @@ def summary_rows(cal: Calibration) -> list[tuple[str, str]]:
     hw, c = cal.hardware, cal.hardware.coefficients
     rows = [("device", cal.measurements["device"]),
             ("memory bandwidth", f"{hw.memory_bw / GIGA:.1f} GB/s"),
-            (f"matmul peak ({cal.dtype})", f"{hw.peak(cal.dtype) / GIGA:.1f} GFLOP/s"),
+            (f"matmul peak ({cal.measurements['compute_dtype']})", f"{hw.peak(cal.dtype) / GIGA:.1f} GFLOP/s"),
+            ("weights / KV priced in", f"{cal.dtype} / {cal.kv_dtype}"),
             ("step-time fit", f"median |err| {cal.fit.median_abs_error:.1%}, max {cal.fit.max_abs_error:.1%} "
                               f"({len(cal.samples)} steps)")]
     rows += [(k, f"{v:.4g}") for k, v in asdict(c).items()]

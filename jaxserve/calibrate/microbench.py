@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxserve.model.kernels.kernel_plan import KernelPlan
 from jaxserve.model.llama import linear
+from jaxserve.model.quantize import QuantizedWeight
 from planner.hardware import CATALOG, GIGA, Hardware
 
 
@@ -45,31 +46,35 @@ def measure_matmul(n: int, dtype: Any, repeats: int = 3) -> float:
 
 
 def measure_gemm_rows(rows: tuple[int, ...], k: int, n: int, dtype: Any, repeats: int = 3,
-                      cpu_kernel: bool = False, plan: KernelPlan | None = None) -> list[dict[str, float]]:
+                      cpu_kernel: bool = False, plan: KernelPlan | None = None,
+                      weight: Any = None) -> list[dict[str, float]]:
     """Time of x[M, k] @ W[k, n] per M (the model's fused gate/up shape) as the model runs it (`linear`, which
     picks the CPU matmul by M; `cpu_kernel` and `plan`: the engine's, whether and at which row counts it uses
-    jaxserve's): achieved FLOP/s and bytes/s."""
-    w = jnp.ones((k, n), dtype)
+    jaxserve's): achieved FLOP/s and bytes/s. `weight`: that matrix itself (a quantized engine's codes), else ones
+    in `dtype`."""
+    w = jnp.ones((k, n), dtype) if weight is None else weight
     f = jax.jit(lambda x, w: linear(x, w, cpu_kernel, plan))
     out = []
     for m in rows:
         x = jnp.ones((m, k), dtype)
         t = best_time(lambda x=x: f(x, w), repeats)
-        nbytes = (k * n + m * k + m * n) * np.dtype(dtype).itemsize
+        nbytes = k * n * np.dtype(w.dtype).itemsize + (m * k + m * n) * np.dtype(dtype).itemsize
         out.append({"rows": m, "seconds": t, "gflops": 2 * m * k * n / t / GIGA, "gbps": nbytes / t / GIGA})
     return out
 
 
 def measure_weight_streams(weights: list[Any], rows: tuple[int, ...] = (1, 2), repeats: int = 50,
-                           cpu_kernel: bool = False, plan: KernelPlan | None = None) -> dict[int, float]:
+                           cpu_kernel: bool = False, plan: KernelPlan | None = None,
+                           dtype: Any = None) -> dict[int, float]:
     """Weight bytes/s of each `rows` count of tokens through `weights` ([in, ...] arrays, together more than a
     cache holds), as the model runs them (`linear`, with `cpu_kernel` and `plan` as the engine has them): a
     decode's weight streaming. The row counts alternate and each keeps its median, so their ratio compares the
     two kernels in the same state of the machine. Fifty repeats keep that ratio steady where fewer let it wander
-    (docs/tuning.md)."""
+    (docs/tuning.md). `dtype`: the activations' (default the weights'; quantized weights' codes are not), and the
+    bytes counted are the weights' own (a quantized weight's codes)."""
     f = jax.jit(lambda x, ws: sum(linear(x, w, cpu_kernel, plan).sum() for w in ws))
     k = weights[0].shape[0]
-    xs = {r: jnp.ones((r, k), weights[0].dtype) for r in rows}
+    xs = {r: jnp.ones((r, k), dtype or weights[0].dtype) for r in rows}
     times: dict[int, list[float]] = {r: [] for r in rows}
     for r in rows:
         jax.block_until_ready(f(xs[r], weights))  # compile
@@ -83,20 +88,23 @@ def measure_weight_streams(weights: list[Any], rows: tuple[int, ...] = (1, 2), r
 
 
 def engine_mlp_weights(engine) -> list[Any]:
-    """The engine's own fused gate/up weights ([hidden, 2, intermediate], one per layer), or fresh arrays of that
-    shape when the model has none: the rate is measured on the memory a decode step reads. On one VM the one-row
-    rate jumped in a third of calibrations, own weights or fresh, while the engine's one-request TPOT did not; the
-    cause is not known (docs/tuning.md)."""
+    """The engine's own fused gate/up weights ([hidden, 2, intermediate], one per layer; `QuantizedWeight`s in a
+    quantized engine), or fresh arrays of that shape when the model has none: the rate is measured on the memory a
+    decode step reads. On one VM the one-row rate jumped in a third of calibrations, own weights or fresh, while the
+    engine's one-request TPOT did not; the cause is not known (docs/tuning.md)."""
     spec = engine.spec
     shape = (spec.hidden_size, 2, spec.intermediate_size)
-    own = [w for w in engine.runner.param_leaves if tuple(w.shape) == shape]
+    is_quantized = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
+    own = [w for w in jax.tree.leaves(engine.runner.params, is_leaf=is_quantized)
+           if tuple(w.shape) == shape and (is_quantized(w) or w.dtype == engine.dtype)]
     if len(own) == spec.num_layers:
         return own
     return [jnp.full(shape, 1e-3 * (i + 1), engine.dtype) for i in range(spec.num_layers)]
 
 
-def local_hardware(memory_bw: float, peak: float, dtype: str) -> tuple[Hardware, str]:
-    """A `Hardware` for the local device with measured peak and bandwidth; links from the catalog if known."""
+def local_hardware(memory_bw: float, peak: float, dtype: str, weight_dtype: str | None = None) -> tuple[Hardware, str]:
+    """A `Hardware` for the local device with measured peak (`dtype`'s GEMM) and bandwidth; links from the catalog
+    if known. `weight_dtype` (int8, fp8 weights computed in `dtype`) gets the same peak."""
     dev = jax.devices()[0]
     kind = str(getattr(dev, "device_kind", dev.platform))
     base = CATALOG["cpu"]
@@ -110,6 +118,7 @@ def local_hardware(memory_bw: float, peak: float, dtype: str) -> tuple[Hardware,
     peaks = {dtype: peak}
     if dtype in ("bf16", "fp16"):
         peaks = {"bf16": peak, "fp16": peak}
+    peaks[weight_dtype or dtype] = peak
     sources = {"compute": f"measured by jaxserve calibrate: {dtype} square GEMM on {kind}",
                "memory": f"measured by jaxserve calibrate: jitted streaming sum on {kind}; capacity from the device",
                "intra_node": f"from catalog entry {base.name!r}", "allreduce_latency": f"from catalog {base.name!r}",

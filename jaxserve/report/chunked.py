@@ -80,8 +80,8 @@ def run_chunked(ctx) -> list[dict[str, Any]]:
     d, length, page = cfg.long_decodes, cfg.long_prompt_len, engine.config.page_size
     context = cfg.long_decode_input + WARM_TOKENS
     buckets = engine.runner.token_buckets
-    kw = dict(decode_batch=d, context_len=context, dtype=ctx.dtype, token_buckets=buckets)
-    undisturbed = step_time_shape(ctx.spec, ctx.hw, decode_shape(d, context), dtype=ctx.dtype).total_ms
+    kw = dict(decode_batch=d, context_len=context, **ctx.dtypes, token_buckets=buckets)
+    undisturbed = step_time_shape(ctx.spec, ctx.hw, decode_shape(d, context), **ctx.dtypes).total_ms
     target = 2 * undisturbed
     choice = choose_chunk_size(ctx.spec, ctx.hw, target, prompt_len=length, page_size=page,
                                min_chunk=smallest_chunk(engine.runner.attention, page), **kw)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from jaxserve.core.engine_config import KV_CACHE_DTYPES, QUANTIZATIONS
 from jaxserve.model.dtypes import RUNTIME_DTYPES
 from jaxserve.output_paths import check_writable
 from jaxserve.report.context import ReportConfig, fmt
@@ -19,6 +20,10 @@ from jaxserve.spec_decode.config import parse_speculative_config
 @click.option("--model", default="small", show_default=True, help="Preset or HF checkpoint folder.")
 @click.option("--dtype", default="auto", show_default=True,
               type=click.Choice(RUNTIME_DTYPES))
+@click.option("--quantization", default=None, type=click.Choice(QUANTIZATIONS),
+              help="The engine's weights as int8 or fp8 codes (vLLM's flag); calibrated and priced as such.")
+@click.option("--kv-cache-dtype", default="auto", show_default=True, type=click.Choice(KV_CACHE_DTYPES),
+              help="The engine's KV pages (vLLM's flag); calibrated and priced as such.")
 @click.option("--profile", default=None, type=click.Path(exists=True, dir_okay=False),
               help="A calibrated hardware profile (default: calibrate now, into DIR/profile.json).")
 @click.option("--out", "out_dir", default="reports/report", show_default=True, type=click.Path(file_okay=False))
@@ -33,11 +38,14 @@ from jaxserve.spec_decode.config import parse_speculative_config
                    "the cores) and compare each pool's capacity with the planner's.")
 @click.option("--speculative-config", default=None, metavar="JSON",
               help="Also one request's TPOT with this speculative decoding (vLLM's JSON) against the planner's.")
-def report_command(model: str, dtype: str, profile: str | None, out_dir: str, quick: bool, seed: int,
+def report_command(model: str, dtype: str, quantization: str | None, kv_cache_dtype: str, profile: str | None,
+                   out_dir: str, quick: bool, seed: int,
                    batch_sizes: str | None, context_lens: str | None, long_prompt_len: int | None,
                    load_num_prompts: int | None, disagg: tuple[int, int] | None,
                    speculative_config: str | None) -> None:
     """Measured vs predicted: calibrate, grid, two loads, chunked prefill (+ --disagg); DIR/report.*."""
+    if disagg and (quantization or kv_cache_dtype != "auto"):
+        raise click.UsageError("--quantization and --kv-cache-dtype run on one device; drop --disagg")
     if disagg:  # before anything starts JAX: on CPU the devices are created with the backend
         try:
             provide_devices(*disagg)
@@ -45,7 +53,8 @@ def report_command(model: str, dtype: str, profile: str | None, out_dir: str, qu
             raise click.UsageError(str(e)) from None
     check_writable(out_dir, is_dir=True)
     cfg = ReportConfig.quick_config(model) if quick else ReportConfig(model=model)
-    cfg = replace(cfg, dtype=dtype, seed=seed, disagg=disagg, speculative=speculative_config)
+    cfg = replace(cfg, dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype, seed=seed, disagg=disagg,
+                  speculative=speculative_config)
     if speculative_config:
         try:
             parse_speculative_config(speculative_config)

@@ -20,6 +20,8 @@ class ReportConfig:
 
     model: str = "small"
     dtype: str = "auto"
+    quantization: str | None = None  # --quantization: int8/fp8 weights (calibrated and priced as such)
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype
     seed: int = 0
     max_num_seqs: int = 32
     batch_sizes: tuple[int, ...] = (1, 4, 16)
@@ -64,6 +66,7 @@ class ReportConfig:
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model, dtype=self.dtype, seed=self.seed, max_num_seqs=self.max_num_seqs,
+                            quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
                             max_num_batched_tokens=self.budget, chunk_size=self.budget,
                             kv_cache_memory=self.kv_cache_memory,
                             token_buckets=half_octave_ladder(self.budget) if self.token_buckets is None
@@ -72,7 +75,8 @@ class ReportConfig:
 
 @dataclass
 class Context:
-    """What every part needs: the engine, the model spec, the calibrated hardware and the planner dtype."""
+    """What every part needs: the engine, the model spec, the calibrated hardware and the planner dtypes (the
+    weights' and the KV pool's: `calibrate.planner_dtypes`)."""
 
     engine: Any
     spec: Any
@@ -81,6 +85,12 @@ class Context:
     cfg: ReportConfig
     log: Log = print
     salt: int = 0
+    kv_dtype: str | None = None  # None: `dtype`
+
+    @property
+    def dtypes(self) -> dict[str, str | None]:
+        """The planner's dtype keywords for this engine (every planner call of the report takes them)."""
+        return {"dtype": self.dtype, "kv_dtype": self.kv_dtype}
 
     def next_salt(self) -> str:
         self.salt += 1
@@ -92,7 +102,7 @@ class Context:
         if "token_buckets" in ServingConfig.__dataclass_fields__:  # once the planner models padding
             extra["token_buckets"] = tuple(self.engine.runner.token_buckets)
         return ServingConfig(max_num_seqs=c.max_num_seqs, chunk_size=budget or self.cfg.budget, page_size=c.page_size,
-                             dtype=self.dtype, **extra)
+                             **self.dtypes, **extra)
 
 
 def error_pct(pred: float | None, meas: float | None) -> float | None:

@@ -35,4 +35,4 @@ def run_grid(ctx: Context) -> list[dict[str, Any]]:
 
 def decode_step_ms(ctx: Context, batch: int, context: float) -> float:
     """The step model's time of one decode step of `batch` sequences at `context` tokens each."""
-    return step_time_shape(ctx.spec, ctx.hw, decode_shape(batch, context), dtype=ctx.dtype).total_ms
+    return step_time_shape(ctx.spec, ctx.hw, decode_shape(batch, context), **ctx.dtypes).total_ms

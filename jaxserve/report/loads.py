@@ -77,7 +77,7 @@ def predict_step_s(ctx: Context, step: StepRecord) -> float | None:
         shape = shape + prefill_shape(q, done)
     if shape.num_tokens == 0:
         return None
-    return step_time_shape(ctx.spec, ctx.hw, shape, dtype=ctx.dtype,
+    return step_time_shape(ctx.spec, ctx.hw, shape, **ctx.dtypes,
                            padded_tokens=pad_tokens(shape.num_tokens, ctx.engine.runner.token_buckets)).total_s
 
 

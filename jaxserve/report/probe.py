@@ -33,7 +33,7 @@ def probe(ctx: Any, when: str) -> dict[str, Any]:
     samples += measure_decode(engine, ids, min(DECODES, engine.config.max_num_seqs), context, DECODE_STEPS)
     out: dict[str, Any] = {"when": when}
     for s in samples:
-        predicted = step_time_shape(ctx.spec, ctx.hw, s.shape, dtype=ctx.dtype).total_s
+        predicted = step_time_shape(ctx.spec, ctx.hw, s.shape, **ctx.dtypes).total_s
         out[s.kind] = {"tokens": s.shape.num_tokens, "measured_ms": s.seconds * 1e3,
                        "predicted_ms": predicted * 1e3, "measured_over_predicted": s.seconds / predicted}
     ctx.log("reference steps " + when + ": " + ", ".join(

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxserve.bench.results import finite
-from jaxserve.calibrate.calibrate import CalibrationConfig, calibrate, planner_dtype
+from jaxserve.calibrate.calibrate import CalibrationConfig, calibrate, planner_dtypes
 from jaxserve.calibrate.steps import PromptSource, warm_engine
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.report.chunked import run_chunked
@@ -44,7 +44,9 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
     log(f"engine ready in {time.monotonic() - t0:.0f} s (budget {cfg.budget} tokens, buckets "
         f"{engine.runner.token_buckets})")
     calibration = None
+    dtype, kv_dtype = planner_dtypes(engine)
     if profile:
+        check_profile_dtypes(profile, dtype, kv_dtype)
         hw = load_hardware(profile)
         warm_engine(engine, PromptSource(engine, cfg.seed + 1))
     else:
@@ -57,7 +59,7 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
                        "max_abs_error": cal.fit.max_abs_error, "samples": len(cal.samples),
                        "profile": str(out / "profile.json")}
         log(f"calibrated in {cal.seconds:.0f} s: step fit median |error| {cal.fit.median_abs_error:.1%}")
-    ctx = Context(engine=engine, spec=engine.spec, hw=hw, dtype=planner_dtype(engine.dtype), cfg=cfg, log=log)
+    ctx = Context(engine=engine, spec=engine.spec, hw=hw, dtype=dtype, kv_dtype=kv_dtype, cfg=cfg, log=log)
     rows: list[dict[str, Any]] = []
     probes = [probe(ctx, "before the grid")]
     parts = [("grid", run_grid), ("loads", run_loads), ("chunked prefill", run_chunked)]
@@ -71,7 +73,7 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
     summary = summarize(rows)
     summary["machine_drift"] = drift(probes)
     summary["machine_steady"] = drift_note(summary["machine_drift"]) is None
-    report = {"model": cfg.model, "dtype": ctx.dtype, "hardware": hw.name, "profile": profile,
+    report = {"model": cfg.model, "dtype": ctx.dtype, "kv_dtype": ctx.kv_dtype, "hardware": hw.name, "profile": profile,
               "coefficients": hw.coefficients.to_dict(), "calibration": calibration,
               "engine": {"max_num_seqs": engine.config.max_num_seqs, "step_budget": cfg.budget,
                          "page_size": engine.config.page_size, "token_buckets": list(engine.runner.token_buckets),
@@ -85,3 +87,13 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
     write_markdown(report, out / "report.md")
     write_plot(report, out / "report.png")
     return report
+
+
+def check_profile_dtypes(profile: str, dtype: str, kv_dtype: str) -> None:
+    """ValueError when `profile` was calibrated on weights or KV of other dtypes than the engine's (an int8 engine
+    reads its weights at another rate than a float one: `calibrate.planner_dtypes`); profiles that name none pass."""
+    measured = json.loads(Path(profile).read_text()).get("measurements", {})
+    for name, ours, theirs in (("weights", dtype, measured.get("dtype")), ("KV", kv_dtype, measured.get("kv_dtype"))):
+        if theirs is not None and theirs != ours:
+            raise ValueError(f"{profile} was calibrated with {name} in {theirs}; this engine's are {ours} "
+                             "(calibrate with the same --quantization and --kv-cache-dtype)")

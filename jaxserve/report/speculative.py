@@ -15,6 +15,7 @@ from typing import Any
 
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.model.dtypes import planner_dtype
 from jaxserve.report.context import Context, error_pct, fmt, fmt_pct
 from planner.model_spec import load_model_spec
 from planner.speculative import proposer_s, verify_step_s
@@ -56,11 +57,12 @@ def run_speculative(ctx: Context) -> list[dict[str, Any]]:
     other_steps = max(0.0, decode_tokens - accepted - verify_steps)  # decode steps that carried no draft
     context = cfg.spec_prompt_len + cfg.spec_output_len / 2
     buckets = base.runner.token_buckets
-    kw = dict(dtype=ctx.dtype, token_buckets=buckets)
+    kw = dict(**ctx.dtypes, token_buckets=buckets)
     draft = load_model_spec(sc.model) if sc.method == "draft_model" else None
     verify = verify_step_s(ctx.spec, ctx.hw, 1, context, k, **kw)
-    proposer = proposer_s(sc.method, ctx.hw, 1, context, k, draft=draft, **kw)
-    decode = step_time_shape(ctx.spec, ctx.hw, decode_shape(1, context), dtype=ctx.dtype,
+    # The draft model loads in the float dtype (--quantization is the target's): price its weights so.
+    proposer = proposer_s(sc.method, ctx.hw, 1, context, k, draft=draft, **{**kw, "dtype": planner_dtype(base.dtype)})
+    decode = step_time_shape(ctx.spec, ctx.hw, decode_shape(1, context), **ctx.dtypes,
                              padded_tokens=pad_tokens(1, buckets)).total_s
     predicted = (verify_steps * (verify + proposer) + other_steps * decode) / decode_tokens
     drafts = sum(r["draft_tokens"] for r in spec)
