@@ -32,7 +32,8 @@ from jaxserve.model.quantize import param_bytes
 
 
 def decode_forward(model: str, batch: int, quantization: str | None):
-    """(a zero-argument function running one engine's jitted decode forward of `batch` requests, parameter bytes)."""
+    """({"forward", "step"}: zero-argument functions running one engine's jitted decode forward of `batch` requests
+    and its whole step, parameter bytes, the engine's float dtype name)."""
     engine = LLMEngine(EngineConfig(model=model, max_num_seqs=max(32, batch), kv_cache_memory=256 << 20,
                                     warmup=False, quantization=quantization))
     forward = forward_on_decodes(engine, batch)
@@ -42,7 +43,7 @@ def decode_forward(model: str, batch: int, quantization: str | None):
 
     jax.block_until_ready(forward())
     whole_step()
-    return {"forward": forward, "step": whole_step}, param_bytes(engine.runner.param_leaves)
+    return {"forward": forward, "step": whole_step}, param_bytes(engine.runner.param_leaves), engine.dtype.name
 
 
 def speed(model: str, batch: int, rounds: int, calls: int, what: str, method: str = "int8") -> None:
@@ -50,7 +51,7 @@ def speed(model: str, batch: int, rounds: int, calls: int, what: str, method: st
     built = [decode_forward(model, batch, q) for q in variants]
     medians: list[list[float]] = [[], []]
     for _ in range(rounds):
-        for (fns, _), ms in zip(built, medians, strict=True):
+        for (fns, _, _), ms in zip(built, medians, strict=True):
             times = []
             for _ in range(calls):
                 t = time.perf_counter()
@@ -58,9 +59,10 @@ def speed(model: str, batch: int, rounds: int, calls: int, what: str, method: st
                 times.append(time.perf_counter() - t)
             ms.append(float(np.median(times)) * 1e3)
     ratio = float(np.median(np.array(medians[1]) / np.array(medians[0])))
-    print(f"{model}, {batch} decodes, {what}: float32 {np.median(medians[0]):.2f} ms ({built[0][1] / 2**20:.1f} MiB of "
-          f"parameters), {method} {np.median(medians[1]):.2f} ms ({built[1][1] / 2**20:.1f} MiB): {method}/fp32 = "
-          f"{ratio:.3f} (median of {rounds} rounds' ratios; fp32 rounds {', '.join(f'{m:.2f}' for m in medians[0])};"
+    name = built[0][2]  # float32 on a CPU, bfloat16 on a GPU
+    print(f"{model}, {batch} decodes, {what}: {name} {np.median(medians[0]):.2f} ms ({built[0][1] / 2**20:.1f} MiB of "
+          f"parameters), {method} {np.median(medians[1]):.2f} ms ({built[1][1] / 2**20:.1f} MiB): {method}/{name} = "
+          f"{ratio:.3f} (median of {rounds} rounds' ratios; {name} rounds {', '.join(f'{m:.2f}' for m in medians[0])};"
           f" {method} rounds {', '.join(f'{m:.2f}' for m in medians[1])})")
 
 
