@@ -2,7 +2,8 @@
 
 Three engines of the same target: plain, n-gram lookup, and a draft model (when --draft-model names one). Two
 prompts: a passage the answer copies (n-gram's case: with a trained model, "repeat the passage"; with a synthetic
-one, a repeated phrase) and an ordinary one (the draft model's case). Each round runs every (engine, prompt) pair
+one, a repeated phrase), an ordinary one (the draft model's case) and, for a model that ships held_out.txt
+(bard), the opening of a held-out passage (text neither model trained on). Each round runs every (engine, prompt) pair
 once, greedy, --output-len tokens; the figures are medians over --rounds rounds after one warm round. Beside each
 TPOT: the acceptance rate, the tokens per verify step, and the planner's TPOT for the measured acceptance and its
 choice of k (`planner.speculative`, on --profile, a calibrated hardware profile, when given).
@@ -26,7 +27,7 @@ from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.engine.factory import create_engine  # noqa: E402
 from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
 from planner.hardware import load_hardware  # noqa: E402
-from planner.model_spec import load_model_spec  # noqa: E402
+from planner.model_spec import load_model_spec, resolve_model_path  # noqa: E402
 from planner.speculative import acceptance_from_tokens_per_step, choose_k, predict_speculative  # noqa: E402
 
 PASSAGE = ("The lighthouse keeper climbed the spiral stairs at dusk, lit the great lamp, and wrote in his log that "
@@ -34,7 +35,7 @@ PASSAGE = ("The lighthouse keeper climbed the spiral stairs at dusk, lit the gre
 
 
 def prompts(engine: LLMEngine, prompt_len: int) -> dict[str, list[int]]:
-    """The copy task and an ordinary prompt, as token ids of about `prompt_len` tokens."""
+    """The copy task, an ordinary prompt and (a shipped model) a held-out passage's first 32 tokens, as token ids."""
     if engine.spec.synthetic:  # no language: a repeated phrase stands for the passage the answer copies
         phrase = list(range(7, 31))
         copy = (phrase * (prompt_len // len(phrase) + 1))[:prompt_len]
@@ -42,8 +43,12 @@ def prompts(engine: LLMEngine, prompt_len: int) -> dict[str, list[int]]:
         return {"copy": copy, "plain": plain}
     tok = engine.tokenizer
     passage = PASSAGE * max(1, prompt_len // max(1, len(tok.encode(PASSAGE))))
-    return {"copy": engine.tokenize_prompt(f"{passage}\nRepeat the passage above exactly.\n\n{passage[:40]}"),
-            "plain": engine.tokenize_prompt("Once upon a time, in a small village by the sea,")}
+    out = {"copy": engine.tokenize_prompt(f"{passage}\nRepeat the passage above exactly.\n\n{passage[:40]}"),
+           "plain": engine.tokenize_prompt("Once upon a time, in a small village by the sea,")}
+    held = Path(resolve_model_path(engine.config.model)) / "held_out.txt"
+    if held.is_file():
+        out["held-out"] = tok.encode(held.read_text()[:2000])[:32]
+    return out
 
 
 def one(engine: LLMEngine, ids: list[int], n: int, rid: str) -> dict:

@@ -61,7 +61,9 @@ class ModelShape:
 
 
 BARD = ModelShape("bard", 4, 256, 4, 2, 640, 300, 3e-3)
-DRAFT = ModelShape("bard-draft", 1, 128, 2, 1, 384, 300, 4e-3)
+DRAFT = ModelShape("bard-draft", 2, 128, 2, 1, 384, 500, 4e-3)
+# The draft's data (distillation): bard's greedy continuations of corpus snippets, beside corpus windows.
+GEN_PROMPT, GEN_LEN, GEN_SEQS, GEN_BATCH = 64, 192, 2000, 250
 
 
 def read_corpus(tar_path: Path) -> tuple[list[str], list[str]]:
@@ -98,8 +100,37 @@ def token_stream(tok: Tokenizer, works: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def train_model(shape: ModelShape, ids: torch.Tensor, vocab: int, ctx: int, seed: int, batch: int) -> LlamaForCausalLM:
-    """AdamW, 5% linear warm-up then cosine decay to a tenth, over `shape.steps` batches of `batch` windows."""
+@torch.no_grad()
+def greedy_continuations(teacher: LlamaForCausalLM, ids: torch.Tensor, seed: int) -> torch.Tensor:
+    """[GEN_SEQS, GEN_PROMPT + GEN_LEN]: corpus snippets of GEN_PROMPT tokens (seeded positions), each followed by
+    the teacher's greedy tokens (float32, EOS passed over: what the engine's greedy decoding feeds the draft)."""
+    starts = torch.randint(0, len(ids) - GEN_PROMPT, (GEN_SEQS,), generator=torch.Generator().manual_seed(seed + 1))
+    out = []
+    for b in range(0, GEN_SEQS, GEN_BATCH):
+        x = torch.stack([ids[i:i + GEN_PROMPT] for i in starts[b:b + GEN_BATCH].tolist()])
+        res = teacher(input_ids=x, use_cache=True)
+        seq = [x]
+        for _ in range(GEN_LEN):
+            nxt = res.logits[:, -1].argmax(-1, keepdim=True)
+            seq.append(nxt)
+            res = teacher(input_ids=nxt, past_key_values=res.past_key_values, use_cache=True)
+        out.append(torch.cat(seq, dim=1))
+    return torch.cat(out)
+
+
+def _distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) per position, averaged: the student learns the teacher's whole distribution."""
+    t = torch.log_softmax(teacher_logits.float(), dim=-1)
+    s = torch.log_softmax(student_logits.float(), dim=-1)
+    return (t.exp() * (t - s)).sum(-1).mean()
+
+
+def train_model(shape: ModelShape, ids: torch.Tensor, vocab: int, ctx: int, seed: int, batch: int,
+                teacher: LlamaForCausalLM | None = None, generated: torch.Tensor | None = None) -> LlamaForCausalLM:
+    """AdamW, 5% linear warm-up then cosine decay to a tenth, over `shape.steps` batches of `batch` windows.
+
+    With a `teacher` the loss is KL to its next-token distributions instead of cross-entropy on the text, over
+    half the windows' tokens of corpus and half of `generated` rows (the teacher's own greedy continuations)."""
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
                          num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
@@ -120,10 +151,22 @@ def train_model(shape: ModelShape, ids: torch.Tensor, vocab: int, ctx: int, seed
         lr = shape.lr * min(1.0, (step + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for g in opt.param_groups:
             g["lr"] = lr
-        idx = order[(torch.arange(batch) + step * batch) % n_windows]
-        x = torch.stack([ids[i * ctx:(i + 1) * ctx] for i in idx.tolist()])
         with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 matmuls (about 2x on AVX-512 BF16), fp32 master
-            loss = model(input_ids=x, labels=x).loss
+            if teacher is None:
+                idx = order[(torch.arange(batch) + step * batch) % n_windows]
+                x = torch.stack([ids[i * ctx:(i + 1) * ctx] for i in idx.tolist()])
+                loss = model(input_ids=x, labels=x).loss
+            else:
+                half = batch // 2
+                idx = order[(torch.arange(half) + step * half) % n_windows]
+                x = torch.stack([ids[i * ctx:(i + 1) * ctx] for i in idx.tolist()])
+                g = half * ctx // generated.shape[1]  # as many generated rows as tokens of corpus
+                y = generated[(torch.arange(g) + step * g) % len(generated)]
+                loss = 0.0
+                for inp in (x, y):
+                    with torch.no_grad():
+                        target = teacher(input_ids=inp).logits
+                    loss = loss + _distill_loss(model(input_ids=inp).logits, target) / 2
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -144,6 +187,19 @@ def perplexity(model: LlamaForCausalLM, ids: list[int], max_len: int) -> float:
         total -= lp.sum().item()
         count += len(w) - 1
     return math.exp(total / count)
+
+
+@torch.no_grad()
+def greedy_agreement(draft: LlamaForCausalLM, teacher: LlamaForCausalLM, held_ids: list[int], prompts: int = 16,
+                     prompt_len: int = 32, new: int = 64) -> float:
+    """Fraction of the teacher's greedy tokens after held-out prompts that the draft's argmax, fed the teacher's
+    output, predicts too (a greedy draft's acceptance per position)."""
+    step = (len(held_ids) - prompt_len) // prompts
+    x = torch.tensor([held_ids[i * step:i * step + prompt_len] for i in range(prompts)])
+    for _ in range(new):  # the teacher's greedy continuation, whole-sequence forwards (few and short)
+        x = torch.cat([x, teacher(input_ids=x).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    guess = draft(input_ids=x[:, :-1]).logits[:, prompt_len - 1:].argmax(-1)
+    return (guess == x[:, prompt_len:]).float().mean().item()
 
 
 def write_tokenizer(tok: Tokenizer, folder: Path, ctx: int) -> None:
@@ -179,6 +235,8 @@ def main() -> None:
     ap.add_argument("--draft-steps", type=int, default=DRAFT.steps, help="optimizer steps of bard-draft")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (part of what makes a run reproducible)")
     ap.add_argument("--only", choices=["bard", "bard-draft"], default=None, help="train one model only")
+    ap.add_argument("--distill-from", type=Path, default=None,
+                    help="the teacher bard-draft is distilled from (default: <out>/bard, once written)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
@@ -196,15 +254,27 @@ def main() -> None:
         if args.only and shape.name != args.only:
             continue
         t1 = time.time()
-        model = train_model(shape, ids, tok.get_vocab_size(), args.ctx, args.seed, args.batch)
         settings = {**asdict(shape), "ctx": args.ctx, "batch": args.batch, "seed": args.seed,
                     "vocab_size": args.vocab_size, "threads": args.threads}
+        teacher = generated = None
+        if shape.name == DRAFT.name:
+            folder = args.distill_from or args.out / BARD.name
+            teacher = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+            generated = greedy_continuations(teacher, ids, args.seed)
+            print(f"{len(generated)} greedy continuations of {folder}: {time.time() - t1:.0f}s", flush=True)
+            settings["distill"] = {"teacher_model_sha256": hashlib.sha256(
+                (folder / "model.safetensors").read_bytes()).hexdigest(), "loss": "kl(teacher || student)",
+                "generated": {"prompt": GEN_PROMPT, "tokens": GEN_LEN, "sequences": GEN_SEQS}}
+        model = train_model(shape, ids, tok.get_vocab_size(), args.ctx, args.seed, args.batch, teacher, generated)
         write_model(model, tok, args.out / shape.name, args.ctx, held, settings)
         trained = time.time() - t1
         shipped = LlamaForCausalLM.from_pretrained(args.out / shape.name, dtype=torch.float32)
         print(f"{shape.name}: trained in {trained:.0f}s, held-out perplexity "
               f"{perplexity(shipped, held_ids, args.ctx - 1):.2f} (bf16 weights, windows of {args.ctx - 1}); "
               f"total {time.time() - t0:.0f}s", flush=True)
+        if teacher is not None:
+            print(f"{shape.name}: greedy agreement with the teacher on held-out prompts "
+                  f"{greedy_agreement(shipped, teacher, held_ids):.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 
 The same prompt runs on the report's engine (no speculation) and on a second engine with `--speculative-config`,
 alternating, `spec_repeats` times each. The planner is given what the run measured about the proposer: the verify
-steps that carried drafts and the tokens they emitted, the other decode steps; it prices each kind of step
-(`planner.speculative`: the verify step with k + 1 rows, the proposer's draft steps, a plain decode step) and
-predicts TPOT = their time over the tokens. Target: within 15% of the measured TPOT.
+steps that carried drafts, the drafts they verified (fewer than k where n-gram lookup found fewer or the request's
+end was near) and the tokens they emitted, the other decode steps; it prices each kind of step
+(`planner.speculative`: the verify step with 1 + drafts rows, the proposer's k draft steps in one dispatch, a plain
+decode step) and predicts TPOT = their time over the tokens. Target: within 15% of the measured TPOT.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def run_speculative(ctx: Context) -> list[dict[str, Any]]:
     buckets = base.runner.token_buckets
     kw = dict(**ctx.dtypes, token_buckets=buckets)
     draft = load_model_spec(sc.model) if sc.method == "draft_model" else None
-    verify = verify_step_s(ctx.spec, ctx.hw, 1, context, k, **kw)
+    verify = _verify_at(ctx, context, sum(r["draft_tokens"] for r in spec) / max(1.0, verify_steps * len(spec)),
+                        **kw)
     # The draft model loads in the float dtype (--quantization is the target's): price its weights so.
     proposer = proposer_s(sc.method, ctx.hw, 1, context, k, draft=draft, **{**kw, "dtype": planner_dtype(base.dtype)})
     decode = step_time_shape(ctx.spec, ctx.hw, decode_shape(1, context), **ctx.dtypes,
@@ -75,11 +77,21 @@ def run_speculative(ctx: Context) -> list[dict[str, Any]]:
            "measured_speedup": m_plain / m_spec, "acceptance_rate": sum(r["accepted"] for r in spec) / drafts
            if drafts else None, "tokens_per_verify_step": 1 + accepted / verify_steps if verify_steps else None,
            "verify_steps": verify_steps, "plain_steps": other_steps,
+           "drafts_per_verify_step": drafts / (verify_steps * len(spec)) if verify_steps else None,
            "predicted_verify_step_ms": verify * 1e3, "predicted_proposer_ms": proposer * 1e3}
     row["met"] = row["tpot_error_pct"] is not None and abs(row["tpot_error_pct"]) <= TPOT_TARGET_PCT
     ctx.log(f"speculative ({sc.method}, k={k}): TPOT {m_spec * 1e3:.2f} ms (predicted {predicted * 1e3:.2f}) "
             f"against {m_plain * 1e3:.2f} ms without; acceptance {fmt(row['acceptance_rate'], '.2f')}")
     return [row]
+
+
+def _verify_at(ctx: Context, context: float, drafts: float, **kw) -> float:
+    """A verify step of `drafts` drafts on average: the steps of the two whole counts around it, interpolated."""
+    lo = max(1, int(drafts))
+    t_lo = verify_step_s(ctx.spec, ctx.hw, 1, context, lo, **kw)
+    if drafts <= lo:
+        return t_lo
+    return t_lo + (drafts - lo) * (verify_step_s(ctx.spec, ctx.hw, 1, context, lo + 1, **kw) - t_lo)
 
 
 def _prompt(ctx: Context, n: int) -> list[int]:

@@ -55,7 +55,10 @@ class Verifier:
 
     def __init__(self, runner: ModelRunner, k: int, point_mass: bool, vocab_size: int) -> None:
         self.runner, self.k, self.point_mass, self.vocab_size = runner, k, point_mass, vocab_size
-        self.row_buckets = power_of_two_ladder(runner.max_logits_rows)
+        # Powers of two, and (k + 1) rows per sequence for each sequence bucket: a batch whose every sequence
+        # verifies k drafts draws from no padded row.
+        self.row_buckets = tuple(sorted(set(power_of_two_ladder(runner.max_logits_rows)) | {
+            (k + 1) * b for b in runner.seq_buckets if (k + 1) * b <= runner.max_logits_rows}))
         # q rows of the draft model: k arrays of max_sampled rows, flattened (shape fixed: one compile per bucket).
         self.q_rows = k * runner.max_sampled
         fn = functools.partial(_verify_impl, runner, point_mass)
