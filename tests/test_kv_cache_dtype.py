@@ -4,6 +4,10 @@ the planner's figure, scales included; perplexity and greedy tokens stay close t
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,8 +108,8 @@ def test_the_flag_the_config_and_their_one_line_refusals():
     assert EngineConfig(kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8"  # vLLM's other name
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8"):
         EngineConfig(kv_cache_dtype="int4")
-    with pytest.raises(ValueError, match="one device"):
-        EngineConfig(kv_cache_dtype="int8", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="disaggregate"):
+        EngineConfig(kv_cache_dtype="int8", disaggregate=True)
     res = CliRunner().invoke(cli, ["generate", "--model", "tiny", "--kv-cache-dtype", "int4", "--prompt", "x"])
     assert res.exit_code == 2 and "int4" in res.output and "Traceback" not in res.output
 
@@ -234,3 +238,27 @@ def test_the_pallas_kernel_over_quantized_pages_lowers_for_cuda_without_a_gpu(ki
     meta = AttentionMetadata(**{name: jnp.asarray(a) for name, a in m.items()})
     text = lower_for_cuda(lambda q, k, v: PallasAttention()(q, k, v, meta, D**-0.5), q, *pools)
     assert "__gpu$xla.gpu.triton" in text and "stablehlo.while" not in text
+
+
+TP_SCRIPT = """
+from jaxserve import LLM, SamplingParams
+args = dict(max_num_seqs=4, max_num_batched_tokens=64, chunk_size=32, page_size=16, kv_cache_memory=2**20,
+            max_model_len=256, token_buckets=(8, 64), seq_buckets=(4,), kv_cache_dtype="int8")
+params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+prompts = [list(range(3 + i, 30 + i)) for i in range(3)]
+tokens = {}
+for tp in (1, 2, 4):
+    llm = LLM("tiny", tensor_parallel_size=tp, **args)
+    pool = llm.engine.runner.kv_caches[0][0]
+    assert tuple(pool.scales.sharding.spec) == tuple(pool.codes.sharding.spec)[:3] == (None, None, "tp")
+    tokens[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+assert tokens[1] == tokens[2] == tokens[4], tokens
+print("ok")
+"""
+
+
+def test_tensor_parallel_engines_shard_codes_and_scales_on_kv_heads_and_decode_alike():
+    """tp 2 splits `tiny`'s 2 KV heads, tp 4 replicates them; the greedy tokens are tp 1's."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    out = subprocess.run([sys.executable, "-c", TP_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]

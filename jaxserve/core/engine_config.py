@@ -119,9 +119,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         self.kv_cache_dtype = "fp8" if self.kv_cache_dtype == "fp8_e4m3" else self.kv_cache_dtype
-        if self.kv_cache_dtype != "auto" and (self.tensor_parallel_size > 1 or self.disaggregate):
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} runs on one device (not with "
-                             "tensor_parallel_size > 1 or disaggregate)")
+        if self.kv_cache_dtype != "auto" and (self.disaggregate or self.num_processes > 1):
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} runs in one process's engine (not with "
+                             "disaggregate, whose transfers move float pages, or num_processes > 1)")
         if self.scheduling_policy not in ("fcfs", "lpm"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}")
 
