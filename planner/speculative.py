@@ -12,7 +12,8 @@ weights once for all rows, so on a bandwidth-bound device it costs little more t
 proposer is ~0 for n-gram lookup (host work) or, for a draft model, its own k steps: one forward over the
 sequences' newest tokens, then k - 1 decode iterations in one jitted call, each with its LM head and sampling. The
 host prepares and collects them once a round, so they are priced as --num-scheduler-steps prices k decode steps in
-one dispatch (`steps_per_dispatch=k`: one `dispatch_overhead_s` for the k, the rest of each step's costs k times).
+one dispatch (`steps_per_dispatch=k`: one `dispatch_overhead_s` for the k, the rest of each step's costs k times;
+a step saves at most its fixed overhead, where a profile's fit left less of it than its measured dispatch).
 """
 
 from __future__ import annotations
@@ -95,10 +96,14 @@ def proposer_s(method: str, hw: Hardware, batch: int, context_len: float, k: int
         return 0.0
     if draft is None:
         raise ValueError("a draft_model proposer needs the draft model's spec")
-    return sum(step_time_shape(draft, hw, decode_shape(batch, context_len + i), tp=tp, dtype=dtype,
-                               kv_dtype=kv_dtype, padded_tokens=pad_tokens(batch, token_buckets),
-                               steps_per_dispatch=k).total_s
-               for i in range(k))
+    total = 0.0
+    for i in range(k):
+        kw = dict(tp=tp, dtype=dtype, kv_dtype=kv_dtype, padded_tokens=pad_tokens(batch, token_buckets))
+        alone = step_time_shape(draft, hw, decode_shape(batch, context_len + i), **kw)
+        shared = step_time_shape(draft, hw, decode_shape(batch, context_len + i), steps_per_dispatch=k, **kw)
+        # The dispatch seconds saved are part of a step's fixed overhead: never more than the profile's fitted one.
+        total += alone.total_s - min(alone.total_s - shared.total_s, max(alone.overhead_s, 0.0))
+    return total
 
 
 @dataclass(frozen=True)
