@@ -9,12 +9,15 @@ import logging
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
-from jaxserve.model.kernels import cpu_kernels, cpu_matmul, kernel_choice
+from jaxserve.model.kernels import cpu_kernels, cpu_matmul, cpu_matmul_int8, kernel_choice
 from jaxserve.model.kernels.kernel_plan import KernelPlan
 from jaxserve.model.llama import LlamaForCausalLM, linear
+from jaxserve.model.quantize import QuantizedWeight
+from jaxserve.model.quantize_model import quantize_model
 from planner.model_spec import PRESETS
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="jaxserve's CPU kernels are not built here")
@@ -101,3 +104,43 @@ def test_an_moe_models_plan_takes_the_grouped_expert_kernel_where_it_was_faster(
     assert timed == [1, 4, 8, 64]  # decode-sized steps only: wider ones keep XLA's tiles
     assert p.moe_rows == {1, 4} and p.moe(4) and not p.moe(8)
     assert "grouped expert kernel at 1, 4 tokens" in p.describe()
+
+
+def test_a_quantized_models_plan_runs_the_int8_kernel_on_one_thread_where_that_was_faster(tmp_path, monkeypatch):
+    model = LlamaForCausalLM(PRESETS["tiny"], jnp.float32, rngs=nnx.Rngs(0))
+    quantize_model(model, "int8")
+    timed = []
+
+    def fake_times(kernel, xla, args, repeats):  # [one thread, all threads] for the int8 threads' measurement
+        if isinstance(args[1], list) and all(isinstance(w, QuantizedWeight) for w in args[1]) and any(
+                w.shape[1] == PRESETS["tiny"].vocab_size for w in args[1]):  # the head's codes are among them
+            rows = next(iter(args[0].values())).shape[0]
+            timed.append(rows)
+            return [1.0, 2.0] if rows == 1 else [2.0, 1.0]
+        return [1.0, 2.0]
+
+    monkeypatch.setattr(kernel_choice, "time_pair", fake_times)
+    p = kernel_choice.choose(model, (1, 4), (1, 4), cache=tmp_path / "plan.json")
+    if kernel_choice._threads() == 1:
+        assert not timed and not p.int8_one_thread_rows  # nothing to choose between
+        return
+    assert timed == [1, 4] and p.int8_one_thread_rows == {1}
+    assert p.int8_threads(1) == 1 and p.int8_threads(4) == 0
+
+    def hlo(rows: int) -> str:
+        w = model.layers[0].mlp.gate_up[...]
+        return jax.jit(lambda x: linear(x, w, True, p)).lower(jnp.ones((rows, w.shape[0]))).as_text()
+
+    assert "max_threads = 1" in hlo(1) and "max_threads = 0" in hlo(4)
+
+
+def test_the_int8_kernel_gives_the_same_product_on_one_thread_as_on_all():
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.integers(-127, 128, (256, 192), dtype=np.int8))
+    scale = jnp.asarray(rng.random(192, np.float32))
+    for rows in (1, 5):
+        x = jnp.asarray(rng.standard_normal((rows, 256), np.float32))
+        one, every = (cpu_matmul_int8.cpu_matmul_int8(x, q, scale, t) for t in (1, 0))
+        expected = (np.asarray(x) @ np.asarray(q, np.float32)) * np.asarray(scale)
+        np.testing.assert_allclose(np.asarray(one), expected, rtol=1e-4, atol=1e-3)
+        np.testing.assert_allclose(np.asarray(every), expected, rtol=1e-4, atol=1e-3)

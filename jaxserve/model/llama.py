@@ -26,11 +26,12 @@ from jaxserve.model.attention.metadata import AttentionMetadata
 from jaxserve.model.attention.paged_attention import write_kv
 from jaxserve.model.attention.select import auto_backend
 from jaxserve.model.dtypes import planner_dtype, resolve_dtype
-from jaxserve.model.kernels import cpu_matmul
+from jaxserve.model.kernels import cpu_matmul, cpu_matmul_int8
 from jaxserve.model.kernels.kernel_plan import KernelPlan
 from jaxserve.model.layers import CPU_EIGEN_MAX_ROWS, MLP, RMSNorm, linear, normals
 from jaxserve.model.mla import LatentAttention
 from jaxserve.model.moe import MoE
+from jaxserve.model.quantize import QuantizedWeight
 from jaxserve.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from planner.memory import kv_bytes_per_token
 from planner.model_spec import ModelSpec
@@ -166,7 +167,11 @@ class LlamaForCausalLM(nnx.Module):
         row counts (a tied head reads the embedding in place through the kernel's x @ w^T; see docs/tuning.md)."""
         cpu_kernel = cpu_kernel and (plan is None or plan.head(hidden.shape[0]))
         if self.lm_head is not None:
-            return linear(hidden, self.lm_head[...], cpu_kernel).astype(jnp.float32)
+            head = self.lm_head[...]
+            if cpu_kernel and isinstance(head, QuantizedWeight) and cpu_matmul_int8.supports(hidden, head.q):
+                threads = plan.int8_threads(hidden.shape[0]) if plan else 0
+                return cpu_matmul_int8.cpu_matmul_int8(hidden, head.q, head.scale, threads)
+            return linear(hidden, head, cpu_kernel).astype(jnp.float32)
         embed = self.embed[...]
         if cpu_kernel and cpu_matmul.supports_nt(hidden, embed):
             return cpu_matmul.cpu_matmul_nt(hidden, embed)

@@ -130,13 +130,13 @@ void RowPart(const Problem& p, int64_t k0, int64_t k1, float* y) {
   }
 }
 
-void RunOneRow(ffi::ThreadPool& pool, const Problem& p) {
+void RunOneRow(ffi::ThreadPool& pool, const Problem& p, int threads) {
   const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kRowParts, p.k / kMinPartRows)));
   thread_local std::vector<float> partial;  // per calling thread: a step's projections neither allocate nor clear it
   if (partial.size() < static_cast<size_t>((parts - 1) * p.n)) partial.resize((parts - 1) * p.n);
   float* y = p.y;
   float* rest = partial.data();
-  jaxserve::ParallelFor(pool, parts, pool.num_threads(), [p, parts, y, rest](int i) {
+  jaxserve::ParallelFor(pool, parts, threads, [p, parts, y, rest](int i) {
     RowPart(p, p.k * i / parts, p.k * (i + 1) / parts, i == 0 ? y : rest + (i - 1) * p.n);
   });
   for (int64_t c = 0; c < p.n; c += kLanes) {
@@ -151,7 +151,7 @@ void RunOneRow(ffi::ThreadPool& pool, const Problem& p) {
 constexpr int kBandsPerThread = 4;
 
 ffi::Error MatmulInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
-                          ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+                          ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y, int32_t max_threads) {
   const auto xd = x.dimensions();
   const auto qd = q.dimensions();
   if (xd.size() != 2 || qd.size() != 2 || xd[1] != qd[0] || scale.element_count() != qd[1]) {
@@ -160,12 +160,15 @@ ffi::Error MatmulInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   if (qd[1] % kTileCols != 0) return ffi::Error::InvalidArgument("matmul_int8: N must be a multiple of the tile (64)");
   const Problem p{x.typed_data(), q.typed_data(), scale.typed_data(), y->typed_data(), xd[0], xd[1], qd[1]};
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  // At most max_threads (0: all of the pool): where two vCPUs share one core's vector units, a second thread only
+  // contends for them (the kernel plan measures which is faster; docs/quantization.md).
+  const int pool_threads = static_cast<int>(std::max<int64_t>(1, pool.num_threads()));
+  const int threads = max_threads > 0 ? std::min(max_threads, pool_threads) : pool_threads;
   if (p.m == 1) {
-    RunOneRow(pool, p);
+    RunOneRow(pool, p, threads);
     return ffi::Error::Success();
   }
   const int64_t units = p.n / kTileCols;
-  const int threads = static_cast<int>(std::max<int64_t>(1, pool.num_threads()));
   const int bands = static_cast<int>(std::min<int64_t>(threads * kBandsPerThread, units));
   const int passes = static_cast<int>((p.m + kMaxRows - 1) / kMaxRows);
   jaxserve::ParallelFor(pool, bands, threads, [p, units, bands, passes](int b) {
@@ -182,4 +185,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulInt8, MatmulInt8Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("max_threads"));

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.model.kernels import cpu_kernels
 from jaxserve.model.kernels.cpu_matmul import MAX_ROWS
@@ -25,11 +26,12 @@ def supports(x: jax.Array, q: jax.Array) -> bool:
             and x.ndim == 2 and 1 <= x.shape[0] <= MAX_ROWS and out % TILE == 0 and cpu_kernels.available())
 
 
-def cpu_matmul_int8(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-    """(x [T, in] @ q [in, ...]) * scale [...] -> [T, ...] float32, q read as the [in, out] int8 matrix it is."""
+def cpu_matmul_int8(x: jax.Array, q: jax.Array, scale: jax.Array, max_threads: int = 0) -> jax.Array:
+    """(x [T, in] @ q [in, ...]) * scale [...] -> [T, ...] float32, q read as the [in, out] int8 matrix it is, on at
+    most `max_threads` of XLA's intra-op threads (0: all)."""
     if not cpu_kernels.available():
         raise RuntimeError("jaxserve's CPU kernels are not available on this machine (see the warning above)")
     q2 = q.reshape(q.shape[0], -1)
     y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], q2.shape[1]), jnp.float32))(
-        x, q2, scale.reshape(-1))
+        x, q2, scale.reshape(-1), max_threads=np.int32(max_threads))
     return y.reshape(x.shape[0], *q.shape[1:])

@@ -120,6 +120,16 @@ def _measure_moe(layers: list[MoE], rows: Sequence[int], repeats: int,
     return timings
 
 
+def _measure_int8_threads(weights: list[Any], rows: Sequence[int], repeats: int,
+                          dtype: jnp.dtype = jnp.float32) -> dict[str, list[float]]:
+    """[one thread, all threads] seconds per row count of every int8 matrix through the int8 kernel."""
+    one, every = (jax.jit(lambda xs, ws, t=t: [cpu_matmul_int8.cpu_matmul_int8(xs[w.q.shape[0]], w.q, w.scale, t)
+                                               for w in ws]) for t in (1, 0))
+    inputs = {w.q.shape[0] for w in weights}
+    return {str(r): time_pair(one, every, ({n: jnp.ones((r, n), dtype) for n in inputs}, weights), repeats)
+            for r in rows}
+
+
 def _read(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -157,25 +167,33 @@ def choose(model: Any, token_buckets: Sequence[int], seq_buckets: Sequence[int],
     moe_rows = [r for r in sorted(set(token_buckets)) if experts and r <= DECODE_TILE_MAX and all(
         cpu_matmul.supports_grouped(jax.ShapeDtypeStruct((r, m.experts_gate_up.shape[1]), dtype), w)
         for m in experts for w in (m.experts_gate_up[...], m.experts_down[...]))]
+    # int8 matrices the kernel takes (the head's too), and the row counts at which one thread may beat all of them
+    codes = [w for w in [*weights, head] if isinstance(w, QuantizedWeight)
+             and _supports(jax.ShapeDtypeStruct((1, w.shape[0]), dtype), w)]
+    int8_rows = sorted(set(matmul_rows) | set(head_rows)) if codes and _threads() > 1 else []
     cache = cache or cpu_kernels.library_path().with_suffix(".plan.json")
     data = _read(cache)
     entry = data.setdefault(signature(weights, head, tied, experts), {"matmul": {}, "head": {}})
     entry.setdefault("moe", {})
+    entry.setdefault("int8_threads", {})
     t = time.perf_counter()
     missing = [r for r in matmul_rows if str(r) not in entry["matmul"]]
     missing_head = [r for r in head_rows if str(r) not in entry["head"]]
     missing_moe = [r for r in moe_rows if str(r) not in entry["moe"]]
-    if missing or missing_head or missing_moe:
+    missing_int8 = [r for r in int8_rows if str(r) not in entry["int8_threads"]]
+    measured = bool(missing or missing_head or missing_moe or missing_int8)
+    if measured:
         entry["matmul"].update(_measure_matmuls(weights, missing, repeats, dtype))
         entry["head"].update(_measure_head(model, missing_head, repeats))
         entry["moe"].update(_measure_moe(experts, missing_moe, repeats, dtype))
+        entry["int8_threads"].update(_measure_int8_threads(codes, missing_int8, repeats, dtype))
         _write(cache, data)
 
     def faster(timings: dict[str, list[float]], rows: list[int]) -> frozenset[int]:
         return frozenset(r for r in rows if timings[str(r)][0] < timings[str(r)][1])
 
     plan = KernelPlan(cpu_kernels.isa() or "", faster(entry["matmul"], matmul_rows), faster(entry["head"], head_rows),
-                      faster(entry["moe"], moe_rows))
-    how = f"measured in {time.perf_counter() - t:.1f} s" if missing or missing_head or missing_moe else "cached"
+                      faster(entry["moe"], moe_rows), faster(entry["int8_threads"], int8_rows))
+    how = f"measured in {time.perf_counter() - t:.1f} s" if measured else "cached"
     logger.info("%s (timings %s: %s)", plan.describe(), how, cache)
     return plan

@@ -16,6 +16,9 @@ class KernelPlan:
     matmul_rows: frozenset[int]
     head_rows: frozenset[int]
     moe_rows: frozenset[int] = frozenset()  # step sizes whose expert tiles run in the grouped kernel
+    # row counts at which the int8 kernel runs on one thread: where the CPUs share one core's vector units, a
+    # second thread only contends for them
+    int8_one_thread_rows: frozenset[int] = frozenset()
 
     def moe(self, tokens: int) -> bool:
         """Whether a step of `tokens` tokens runs its MoE layers' expert tiles in the grouped kernel."""
@@ -29,11 +32,17 @@ class KernelPlan:
         """Whether the LM head over `rows` hidden rows goes to the kernel."""
         return rows in self.head_rows
 
+    def int8_threads(self, rows: int) -> int:
+        """The int8 kernel's thread limit for `rows` rows: 1, or 0 for all of XLA's intra-op threads."""
+        return 1 if rows in self.int8_one_thread_rows else 0
+
     def describe(self) -> str:
         """One line for the start-up log."""
         def rows(r: frozenset[int]) -> str:
             return ", ".join(map(str, sorted(r))) + " rows" if r else "no row count"
 
         moe = f", grouped expert kernel at {rows(self.moe_rows).replace('rows', 'tokens')}" if self.moe_rows else ""
+        if self.int8_one_thread_rows:
+            moe += f", int8 kernel on one thread at {rows(self.int8_one_thread_rows)}"
         return (f"CPU kernels built for {self.isa}: matmul kernel at {rows(self.matmul_rows)}, LM head kernel at "
                 f"{rows(self.head_rows)}{moe}; XLA's dots at every other row count")
