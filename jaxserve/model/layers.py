@@ -50,7 +50,7 @@ def linear(x: jax.Array, w: jax.Array | QuantizedWeight, cpu_kernel: bool = Fals
     t = x.shape[0]
     if isinstance(w, QuantizedWeight):
         if cpu_kernel and (plan is None or plan.matmul(t)) and cpu_matmul_int8.supports(x, w.q):
-            return cpu_matmul_int8.cpu_matmul_int8(x, w.q, w.scale)
+            return cpu_matmul_int8.cpu_matmul_int8(x, w.q, w.scale, plan.int8_threads(t) if plan else 0)
         return quantized_matmul(x, w)
     if cpu_kernel and (plan is None or plan.matmul(t)) and cpu_matmul.supports(x, w):
         return cpu_matmul.cpu_matmul(x, w)
