@@ -18,7 +18,7 @@ from jaxserve.eval.windows import read_eval_text
 from jaxserve.model.kernels import cpu_matmul_int8
 from jaxserve.model.layers import linear
 from jaxserve.model.llama import LlamaForCausalLM
-from jaxserve.model.quantize import QuantizedWeight, model_quantization, param_bytes, quantize_fp8
+from jaxserve.model.quantize import QuantizedWeight, model_quantization, param_bytes, quantize_fp8, quantize_int8
 from jaxserve.model.quantize_model import quantize_model
 from planner.model_spec import load_model_spec
 from tests.test_quantization import ENGINE, _greedy_agreement, hf_folder  # noqa: F401 (a fixture)
@@ -45,6 +45,22 @@ def test_fp8_linear_is_xla_on_the_codes_even_with_the_cpu_kernels():
     hlo = f.lower(x, qw).as_text()
     assert "tensor<64x2x32xf8E4M3FN>" in hlo and cpu_matmul_int8.TARGET not in hlo
     np.testing.assert_allclose(f(x, qw), jnp.einsum("tk,kab->tab", x, qw.dequantize()), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("quantize", [quantize_fp8, quantize_int8])
+def test_a_cpu_step_holds_one_float_copy_of_a_weight_at_a_time(quantize):
+    """Where XLA multiplies codes (fp8 always, int8 past the kernel's rows), a CPU step converts each weight only
+    when its input exists: the step's scratch holds one weight in float32, not all of them (XLA alone converts
+    every weight up front)."""
+    ws = [quantize(jax.random.normal(jax.random.key(i), (256, 512))) for i in range(8)]
+
+    def chain(x, ws):
+        for w in ws:
+            x = jnp.tanh(linear(x, w, cpu_kernel=True))[:, :256]
+        return x
+
+    temp = jax.jit(chain).lower(jnp.ones((64, 256)), ws).compile().memory_analysis().temp_size_in_bytes
+    assert temp < 2 * 256 * 512 * 4, temp  # all eight weights in float32 would be 4 MiB
 
 
 def test_quantize_model_fp8_replaces_every_projection_and_quarters_their_bytes():

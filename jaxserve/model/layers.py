@@ -51,7 +51,7 @@ def linear(x: jax.Array, w: jax.Array | QuantizedWeight, cpu_kernel: bool = Fals
     if isinstance(w, QuantizedWeight):
         if cpu_kernel and (plan is None or plan.matmul(t)) and cpu_matmul_int8.supports(x, w.q):
             return cpu_matmul_int8.cpu_matmul_int8(x, w.q, w.scale, plan.int8_threads(t) if plan else 0)
-        return quantized_matmul(x, w)
+        return quantized_matmul(x, w, in_step_order=cpu_kernel)  # a CPU step: one weight's float copy at a time
     if cpu_kernel and (plan is None or plan.matmul(t)) and cpu_matmul.supports(x, w):
         return cpu_matmul.cpu_matmul(x, w)
     if 2 <= t <= CPU_EIGEN_MAX_ROWS and jax.default_backend() == "cpu":
