@@ -34,6 +34,7 @@ from planner.moe_tiles import DECODE_TILE_MAX
 
 logger = logging.getLogger(__name__)
 
+NO_KERNEL = KernelPlan("", frozenset(), frozenset())  # a plan that gives every row count to XLA
 REPEATS = 5  # alternating rounds of the two paths per row count; each keeps its median
 
 
@@ -58,7 +59,8 @@ def signature(weights: Sequence[jax.Array], head: jax.Array, tied: bool, experts
     """What the timings depend on beyond the library's key: the matrices' shapes and dtype, and the threads."""
     shapes = Counter("x".join(map(str, w.shape)) for w in weights)
     shapes.update(f"experts {'x'.join(map(str, m.experts_gate_up.shape))} top {m.top_k}" for m in experts)
-    quantized = " int8" if any(isinstance(w, QuantizedWeight) for w in weights) else ""  # float plans keep their key
+    codes = sorted({str(w.dtype) for w in weights if isinstance(w, QuantizedWeight)})
+    quantized = "".join(f" {c}" for c in codes)  # float plans keep their key
     return (f"{_threads()} threads {head.dtype}{quantized} " + " ".join(f"{s}*{n}" for s, n in sorted(shapes.items()))
             + f" head {'x'.join(map(str, head.shape))}{' tied' if tied else ''}")
 
@@ -86,7 +88,9 @@ def _supports(x: jax.ShapeDtypeStruct, w: jax.Array | QuantizedWeight) -> bool:
 def _measure_matmuls(weights: list[jax.Array], rows: Sequence[int], repeats: int,
                      dtype: jnp.dtype = jnp.float32) -> dict[str, list[float]]:
     """[kernel, XLA] seconds per row count for all of `weights`, each as `linear` runs it."""
-    kernel, xla = (jax.jit(lambda xs, ws, k=k: [linear(xs[w.shape[0]], w, k) for w in ws]) for k in (True, False))
+    # XLA's side as the engine runs it where the plan declines the kernel (a CPU step's path, not cpu_kernel=False)
+    kernel, xla = (jax.jit(lambda xs, ws, p=p: [linear(xs[w.shape[0]], w, True, p) for w in ws])
+                   for p in (None, NO_KERNEL))
     inputs = {w.shape[0] for w in weights}
     return {str(r): time_pair(kernel, xla, ({n: jnp.ones((r, n), dtype) for n in inputs}, weights),
                               repeats) for r in rows}
