@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from jaxserve.calibrate.calibrate import CalibrationConfig, calibrate
-from jaxserve.calibrate.steps import step_budget
+from jaxserve.calibrate.steps import decode_tokens, fit_decode_context, step_budget
 from planner.hardware import load_hardware
 
 
@@ -57,3 +57,11 @@ def test_step_budget_restores_the_scheduler(tiny_llm):
     with step_budget(tiny_llm.engine, 32):
         assert (sc.max_num_batched_tokens, sc.chunk_size) == (32, 32)
     assert (sc.max_num_batched_tokens, sc.chunk_size) == before
+
+
+def test_decode_points_longer_than_the_model_are_measured_at_the_longest_context_that_fits():
+    # bard holds 512 tokens: a 512-token point of 10 steps needs 525, so it is measured at 499.
+    assert decode_tokens(1, 512, 10, 512) == 525
+    assert fit_decode_context(1, 512, 10, 512, 512) == 499
+    assert decode_tokens(1, 499, 10, 512) <= 512
+    assert fit_decode_context(4, 64, 10, 128, 8192) == 64  # a point that fits is left alone

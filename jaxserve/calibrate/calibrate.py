@@ -28,6 +28,7 @@ from jaxserve.calibrate.microbench import (
 from jaxserve.calibrate.steps import (
     PromptSource,
     StepSample,
+    fit_decode_context,
     measure_decode,
     measure_dispatch_overhead,
     measure_mixed,
@@ -171,6 +172,9 @@ def _calibrate(engine, cfg: CalibrationConfig, progress: Progress | None, seed: 
                                                   if n <= budget and n < engine.max_model_len), cfg.repeats)
     points = [(b, c) for c in cfg.decode_contexts for b in cfg.decode_batches
               if b <= engine.config.max_num_seqs and b * c <= cfg.max_decode_prompt_tokens]
+    # a context the model's length cannot hold with the point's steps is measured at the longest one it can
+    points = list(dict.fromkeys((b, fit_decode_context(b, c, cfg.decode_steps, budget, engine.max_model_len))
+                                for b, c in points))
     rounds = [(r, b, c) for r in range(cfg.decode_rounds) for b, c in points]
     for k, (r, b, c) in enumerate(rounds):
         say(f"engine decode steps: {b} seqs x {c} context (round {r + 1} of {cfg.decode_rounds})",

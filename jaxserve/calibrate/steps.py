@@ -103,6 +103,19 @@ def measure_prefill(engine, ids: PromptSource, lens: tuple[int, ...], repeats: i
     return samples
 
 
+def decode_tokens(batch: int, context: int, steps: int, budget: int) -> int:
+    """Tokens each sequence of a `measure_decode` point holds at its end: prompt, the steps, the steps that early
+    sequences decode while later ones prefill, and the first token."""
+    return context + steps + math.ceil(batch * context / budget) + 2
+
+
+def fit_decode_context(batch: int, context: int, steps: int, budget: int, max_model_len: int) -> int:
+    """`context`, or the longest shorter one whose decode point fits in `max_model_len` tokens."""
+    while context > 1 and decode_tokens(batch, context, steps, budget) > max_model_len:
+        context -= 1
+    return context
+
+
 def measure_decode(engine, ids: PromptSource, batch: int, context: int, steps: int) -> list[StepSample]:
     """`batch` sequences of `context` prompt tokens decoding together: one sample, the median pure decode step."""
     times: list[float] = []
@@ -118,9 +131,9 @@ def measure_decode(engine, ids: PromptSource, batch: int, context: int, steps: i
             drawn[0] = 1
 
     budget = max(1, min(engine.scheduler.config.max_num_batched_tokens, engine.scheduler.config.chunk_size))
-    prefill_steps = math.ceil(batch * context / budget) + 1  # early sequences decode while later ones prefill
+    new_tokens = decode_tokens(batch, context, steps, budget) - context
     for _ in range(batch):
-        engine.add_request(ids.rid(), ids.prompt(context), _params(steps + prefill_steps + 1))
+        engine.add_request(ids.rid(), ids.prompt(context), _params(new_tokens))
     _drive(engine, record)
     if not times:
         return []
