@@ -139,7 +139,7 @@ def _kernel(work_ref, q_ref, k_ref, v_ref, *refs, scale: float, bq: int, g2: int
         k = k_ref[pages].reshape(bk, d)
         v = v_ref[pages].reshape(bk, d)
         if quantized:  # codes in the queries' dtype, each key's scale on its scores, each value's on its p
-            k, v = k.astype(q.dtype), v.astype(q.dtype)
+            k, v = kv_quant.code_values(k, q.dtype), kv_quant.code_values(v, q.dtype)
             ks, vs = ks_ref[pages].reshape(1, bk), vs_ref[pages].reshape(1, bk)
         s = plgpu.dot(q, k, trans_b=True) * (scale * LOG2E)  # [r, bk] float32, base-2 logits
         if quantized:

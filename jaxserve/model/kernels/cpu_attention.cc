@@ -566,8 +566,8 @@ ffi::Error QuantizedPagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F3
     return Attention(pool, problem, q_dims[0], q_dims[2], seqs);
   };
   if (type == ffi::DataType::S8) return run(int8_t{});
-  if (type == ffi::DataType::F8E4M3FN) return run(uint8_t{});
-  return ffi::Error::InvalidArgument("paged attention: quantized K/V must be int8 or float8_e4m3fn codes");
+  if (type == ffi::DataType::U8 || type == ffi::DataType::F8E4M3FN) return run(uint8_t{});  // e4m3fn bits
+  return ffi::Error::InvalidArgument("paged attention: quantized K/V must be int8 codes or float8_e4m3fn bits (uint8)");
 }
 
 }  // namespace
