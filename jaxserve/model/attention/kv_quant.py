@@ -3,11 +3,12 @@
 A layer's K (or V) pool is a `QuantizedPool`: codes `[num_pages, page_size, kv_heads, head_dim]` (int8, or fp8
 e4m3 `float8_e4m3fn` bits held as uint8) and scales `[num_pages, page_size, kv_heads]` float32, beside them page
 for page, so whatever names a page (the page table, the prefix cache, a preempted request's pages) names its
-scales too. A row x (one token's KV head) is stored as codes round(x / s) with s = max|x| / code_max (127 for int8, 448 for
-e4m3), written by the step's scatter (`write`, quantize on write) and read back as codes * s inside attention:
-the jnp reference multiplies at its gather (`rows`), the C++ and Pallas kernels convert codes in registers and
-fold s into the scores (K) and the probabilities (V). Per-token scales need no calibration and bound each row's
-error by its own range; the price is 4 bytes a row (`planner.memory.kv_scale_bytes`), 6% of a 64-wide int8 row.
+scales too. A row x (one token's KV head) is stored as codes round(x / s) with s = max|x| / code_max (127 for
+int8, 448 for e4m3), written by the step's scatter (`write`, quantize on write) and read back as codes * s
+inside attention: the jnp reference multiplies at its gather (`rows`), the C++ and Pallas kernels convert codes
+in registers and fold s into the scores (K) and the probabilities (V). Per-token scales need no calibration and
+bound each row's error by its own range; the price is 4 bytes a row (`planner.memory.kv_scale_bytes`), 6% of a
+64-wide int8 row.
 
 The pool is a pytree (codes and scales are its leaves), so jit, donation and shardings treat it as two arrays;
 `dtype` is the dtype it stands for (the model's, what attention computes in), as a plain pool's `dtype` is.
