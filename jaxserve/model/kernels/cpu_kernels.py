@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.cc", "cpu_matmul.cc",
                                                                     "cpu_matmul_int8.cc"))
 # included by the sources: part of the build's key
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_pool.h", "cpu_vec.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_attention_rows.h", "cpu_attention_tile.h",
+                                                                    "cpu_pool.h", "cpu_vec.h"))
 # XLA custom-call target -> the handler symbol the library exports for it
 TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention",
            "jaxserve_quantized_paged_attention": "JaxserveQuantizedPagedAttention", "jaxserve_matmul": "JaxserveMatmul",
