@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from planner.dtypes import dtype_bytes
 from planner.hardware import Coefficients, Hardware
-from planner.memory import kv_heads_per_device
+from planner.memory import kv_heads_per_device, kv_scale_bytes
 from planner.model_spec import ModelSpec
 from planner.moe_tiles import DECODE_TILE_MAX, expected_tiles, tile_rows
 
@@ -150,6 +150,7 @@ def op_costs(spec: ModelSpec, shape: StepShape, *, tp: int = 1, dtype: str = "bf
     """
     kv_dtype = kv_dtype or dtype
     bw, ba, bkv = dtype_bytes(dtype), _act_bytes(dtype), dtype_bytes(kv_dtype)
+    sk = kv_scale_bytes(kv_dtype)  # an int8/fp8 pool's scale per cached row, read beside its codes
     T, S = max(shape.num_tokens, padded_tokens), shape.num_seqs
     h, L = spec.hidden_size, spec.num_layers
     nh = spec.num_heads / tp
@@ -171,7 +172,7 @@ def op_costs(spec: ModelSpec, shape: StepShape, *, tp: int = 1, dtype: str = "bf
         up = kvr * nh * (nope + vd)
         ops.append(OpCost("kv_up_absorb", flops=2 * T * up, weight_bytes=up * bw,
                           act_bytes=T * nh * (qhd + kvr + vd) * ba, count=L, gemm_rows=T))
-        kv_tok = (kvr + rope) * bkv  # latent + rope key, whole on every rank
+        kv_tok = (kvr + rope) * bkv + sk  # latent + rope key, whole on every rank
         ops += _attention_ops(shape, nh * (2 * (kvr + rope) + 2 * kvr), (shape.kv_read_tokens + T) * kv_tok,
                               T * nh * (kvr + rope + kvr) * ba, L)
         o_w = nh * vd * h
@@ -180,7 +181,7 @@ def op_costs(spec: ModelSpec, shape: StepShape, *, tp: int = 1, dtype: str = "bf
         qkv_w = h * (nh + 2 * nkv) * hd + ((nh + 2 * nkv) * hd if spec.qkv_bias else 0)
         ops.append(OpCost("qkv_proj", flops=2 * T * h * (nh + 2 * nkv) * hd, weight_bytes=qkv_w * bw,
                           act_bytes=T * (h + (nh + 2 * nkv) * hd) * ba, count=L, gemm_rows=T))
-        kv_tok = 2 * nkv * hd * bkv
+        kv_tok = 2 * nkv * (hd * bkv + sk)
         ops += _attention_ops(shape, 4 * nh * hd, (shape.kv_read_tokens + T) * kv_tok, T * 2 * nh * hd * ba, L)
         o_w = nh * hd * h
     ops.append(OpCost("o_proj", flops=2 * T * o_w, weight_bytes=o_w * bw, act_bytes=T * (o_w / h + h) * ba,

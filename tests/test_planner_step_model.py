@@ -186,3 +186,12 @@ def test_kv_capacity_falls_as_context_grows(model, ctx, extra):
     mem = plan_memory(PRESETS[model], H100.memory_bytes)
     assert mem.max_concurrency(ctx + extra) <= mem.max_concurrency(ctx)
     assert mem.max_concurrency(ctx) * ctx <= mem.kv_capacity_tokens + mem.page_size * mem.max_concurrency(ctx)
+
+
+def test_a_quantized_kv_read_counts_each_rows_scale_beside_its_codes():
+    def kv_read(kv_dtype: str) -> float:
+        return sum(op.kv_bytes * op.count for op in op_costs(L8B, decode_shape(8, 1000), kv_dtype=kv_dtype))
+
+    hd = L8B.head_dim  # 128: one float32 scale per 128 one-byte codes
+    assert kv_read("int8") / kv_read("bf16") == pytest.approx((hd + 4) / (2 * hd))
+    assert kv_read("fp8") == pytest.approx(kv_read("int8"))
