@@ -38,6 +38,7 @@ def test_models_health_version(server, client) -> None:
     assert httpx.get(f"{server.url}/health").status_code == 200
     version = httpx.get(f"{server.url}/version").json()
     assert version["version"] and version["attention_backend"] == "cpu"  # what "auto" resolved to on this CPU
+    assert version["quantization"] == "none" and version["kv_cache_dtype"] == "auto"
 
 
 def test_completion_with_usage(client) -> None:

@@ -236,7 +236,9 @@ def build_app(engine: Any, log_interval: float = 10.0, limits: ServerLimits | No
 
     @app.get("/version")
     async def version() -> dict[str, str]:
-        return {"version": jaxserve.__version__, "attention_backend": engine.config.attention_backend}
+        c = engine.config
+        return {"version": jaxserve.__version__, "attention_backend": c.attention_backend,
+                "quantization": c.quantization or "none", "kv_cache_dtype": c.kv_cache_dtype}
 
     @app.get("/tokenizer_info")
     async def tokenizer() -> dict[str, Any]:

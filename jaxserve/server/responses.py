@@ -178,3 +178,5 @@ class TokenizerInfo(BaseModel):
 class VersionInfo(BaseModel):
     version: str
     attention_backend: str
+    quantization: str  # the weights' format ("none", "int8", "fp8")
+    kv_cache_dtype: str  # "auto" (the model's dtype), "int8" or "fp8"
