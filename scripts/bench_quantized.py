@@ -23,9 +23,9 @@ from bench_forward_ab import forward_on_decodes  # scripts/ is on the path when 
 
 from jaxserve import LLM
 from jaxserve.core.engine_config import EngineConfig
-from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.tokenizer import load_tokenizer
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.eval.agreement import agreement_counts, greedy_tokens
 from jaxserve.eval.perplexity import perplexity
 from jaxserve.eval.windows import read_eval_text
 from jaxserve.model.quantize import param_bytes
@@ -71,14 +71,10 @@ def quality(model: str, method: str = "int8") -> None:
     engine = dict(max_num_seqs=8, max_num_batched_tokens=128, chunk_size=128, kv_cache_memory=4 << 20)
     llms = [LLM(model, **engine), LLM(model, quantization=method, **engine)]
     ppl = [perplexity(llm.engine, ids, 200).perplexity for llm in llms]
-    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     prompts = [ids[i:i + 16] for i in range(0, 8 * 64, 64)]
-    outs = [[o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] for llm in llms]
-    same = sum(next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
-               for x, y in zip(*outs, strict=True))
-    exact = sum(a == b for x, y in zip(*outs, strict=True) for a, b in zip(x, y, strict=True))
+    same, exact, total = agreement_counts(*(greedy_tokens(llm, prompts) for llm in llms))
     print(f"{model}: held-out perplexity float32 {ppl[0]:.4f}, {method} {ppl[1]:.4f} ({ppl[1] / ppl[0] - 1:+.3%}); "
-          f"greedy: {same}/{8 * 32} positions before the first divergence, {exact}/{8 * 32} positions equal")
+          f"greedy: {same}/{total} positions before the first divergence, {exact}/{total} positions equal")
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ from transformers import LlamaForCausalLM
 from jaxserve import LLM
 from jaxserve.cli import cli, main
 from jaxserve.core.tokenizer import load_tokenizer
+from jaxserve.eval.agreement import agreement_counts
 from jaxserve.eval.perplexity import perplexity
 from jaxserve.eval.windows import read_eval_text, token_windows
 from planner.model_spec import resolve_model_path
@@ -79,3 +80,8 @@ def test_bad_input_is_one_line_and_exit_2(args, mentions, capsys):
         main(["eval", "perplexity", *args])
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and mentions in err, err
+
+
+def test_agreement_counts_positions_before_the_first_divergence_and_equal_ones():
+    before, equal, total = agreement_counts([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]])
+    assert (before, equal, total) == (2 + 2, 3 + 2, 6)  # the first pair diverges at index 2, then agrees again

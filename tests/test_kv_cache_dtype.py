@@ -19,6 +19,7 @@ from jaxserve.cli import cli
 from jaxserve.core.engine_config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.tokenizer import load_tokenizer
+from jaxserve.eval.agreement import greedy_agreement
 from jaxserve.eval.perplexity import perplexity
 from jaxserve.eval.windows import read_eval_text
 from jaxserve.model.attention import kv_quant
@@ -145,16 +146,6 @@ def test_the_pool_holds_the_planners_pages_and_bytes_for_every_kv_dtype(model):
         assert pages[kind] / pages["auto"] == pytest.approx(4 * d / (d + 4), rel=0.01)
 
 
-def _greedy_agreement(a: LLM, b: LLM, prompts: list[list[int]]) -> float:
-    """The fraction of the first 32 greedy positions where both engines drew the same token, over `prompts`."""
-    same = total = 0
-    for x, y in zip(a.generate(prompts, GREEDY), b.generate(prompts, GREEDY), strict=True):
-        tx, ty = x.outputs[0].token_ids, y.outputs[0].token_ids
-        agree = next((i for i, (p, q) in enumerate(zip(tx, ty, strict=True)) if p != q), len(tx))
-        same, total = same + agree, total + len(tx)  # positions before the first divergence
-    return same / total
-
-
 @pytest.fixture(scope="module")
 def bard_fp32():
     return LLM("bard", **ENGINE)
@@ -168,7 +159,7 @@ def test_bard_perplexity_within_two_percent_and_greedy_tokens_agree(bard_fp32, k
     ppl_f, ppl_q = perplexity(bard_fp32.engine, ids, 200).perplexity, perplexity(quant.engine, ids, 200).perplexity
     assert ppl_q / ppl_f - 1 < 0.02, (ppl_q, ppl_f)
     prompts = [ids[i:i + 16] for i in range(0, 8 * 64, 64)]
-    assert _greedy_agreement(bard_fp32, quant, prompts) >= floor  # measured 0.883 / 0.746 (docs/quantization.md)
+    assert greedy_agreement(bard_fp32, quant, prompts) >= floor  # measured 0.883 / 0.746 (docs/quantization.md)
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +181,7 @@ def hf_folder(tmp_path_factory):
 def test_a_random_hf_checkpoints_greedy_tokens_agree(hf_folder, kind, floor):
     base, quant = LLM(hf_folder, **ENGINE), LLM(hf_folder, kv_cache_dtype=kind, **ENGINE)
     prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 96, 12)] for i in range(8)]
-    assert _greedy_agreement(base, quant, prompts) >= floor  # measured 0.973 / 0.926 (docs/quantization.md)
+    assert greedy_agreement(base, quant, prompts) >= floor  # measured 0.973 / 0.926 (docs/quantization.md)
 
 
 def test_prefix_cache_hits_and_preemption_read_the_same_quantized_pages():
@@ -219,7 +210,7 @@ def test_an_mla_engine_keeps_its_latent_rows_quantized_and_decodes_as_the_float_
     assert pool.kind == kind and pool.scales.shape == pool.shape[:3] and pool.shape[2] == 1
     prompts = [[int(t) for t in np.random.default_rng(i).integers(3, 200, 20)] for i in range(4)]
     # Random weights decode through near ties, which e4m3's 3 mantissa bits tip: measured 0.984 / 0.305.
-    assert _greedy_agreement(base, quant, prompts) >= floor
+    assert greedy_agreement(base, quant, prompts) >= floor
 
 
 def kv_pool_bytes(pages: int) -> int:

@@ -16,6 +16,7 @@ from jaxserve.cli import cli
 from jaxserve.core.engine_config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.tokenizer import load_tokenizer
+from jaxserve.eval.agreement import greedy_agreement
 from jaxserve.eval.perplexity import perplexity
 from jaxserve.eval.windows import read_eval_text
 from jaxserve.model.kernels import cpu_matmul_int8
@@ -25,9 +26,9 @@ from jaxserve.model.quantize import QuantizedWeight, param_bytes, quantize_int8
 from jaxserve.model.quantize_model import quantize_model
 from planner.model_spec import load_model_spec
 
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)  # test_compressed_tensors uses it
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=128, chunk_size=128, page_size=16,
               kv_cache_memory=4 * 2**20, token_buckets=(16, 32, 64, 128))
-GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
 def test_codes_and_scales_round_trip_within_half_a_step_per_channel():
@@ -87,16 +88,6 @@ def test_bad_quantization_names_are_refused():
     assert res.exit_code == 2 and "int4" in res.output
 
 
-def _greedy_agreement(a: LLM, b: LLM, prompts: list[list[int]]) -> float:
-    """The fraction of the first 32 greedy positions where both engines drew the same token, over `prompts`."""
-    same = total = 0
-    for x, y in zip(a.generate(prompts, GREEDY), b.generate(prompts, GREEDY), strict=True):
-        tx, ty = x.outputs[0].token_ids, y.outputs[0].token_ids
-        agree = next((i for i, (p, q) in enumerate(zip(tx, ty, strict=True)) if p != q), len(tx))
-        same, total = same + agree, total + len(tx)  # positions before the first divergence
-    return same / total
-
-
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):
     """A tiny random-weight Llama written by HF transformers (the parity tests' scale of weights)."""
@@ -129,7 +120,7 @@ def test_engine_parameters_of_an_int8_engine_are_a_quarter_of_float32(hf_folder)
     ppl_f, ppl_q = perplexity(fp32.engine, ids, 200).perplexity, perplexity(int8.engine, ids, 200).perplexity
     assert ppl_q / ppl_f - 1 < 0.01, (ppl_q, ppl_f)
     prompts = [ids[i:i + 12] for i in range(0, 96, 12)]
-    assert _greedy_agreement(fp32, int8, prompts) >= 0.75  # measured 0.898 (docs/quantization.md)
+    assert greedy_agreement(fp32, int8, prompts) >= 0.75  # measured 0.898 (docs/quantization.md)
 
 
 def test_bard_int8_perplexity_within_one_percent_and_greedy_tokens_agree():
@@ -138,4 +129,4 @@ def test_bard_int8_perplexity_within_one_percent_and_greedy_tokens_agree():
     ppl_f, ppl_q = perplexity(fp32.engine, ids, 200).perplexity, perplexity(int8.engine, ids, 200).perplexity
     assert ppl_q / ppl_f - 1 < 0.01, (ppl_q, ppl_f)
     prompts = [ids[i:i + 16] for i in range(0, 8 * 64, 64)]
-    assert _greedy_agreement(fp32, int8, prompts) >= 0.6  # measured 0.79 (docs/quantization.md)
+    assert greedy_agreement(fp32, int8, prompts) >= 0.6  # measured 0.79 (docs/quantization.md)

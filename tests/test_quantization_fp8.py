@@ -13,6 +13,7 @@ from flax import nnx
 from jaxserve import LLM
 from jaxserve.core.engine_config import EngineConfig
 from jaxserve.core.tokenizer import load_tokenizer
+from jaxserve.eval.agreement import greedy_agreement
 from jaxserve.eval.perplexity import perplexity
 from jaxserve.eval.windows import read_eval_text
 from jaxserve.model.kernels import cpu_matmul_int8
@@ -21,7 +22,7 @@ from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.quantize import QuantizedWeight, model_quantization, param_bytes, quantize_fp8, quantize_int8
 from jaxserve.model.quantize_model import quantize_model
 from planner.model_spec import load_model_spec
-from tests.test_quantization import ENGINE, _greedy_agreement, hf_folder  # noqa: F401 (a fixture)
+from tests.test_quantization import ENGINE, hf_folder  # noqa: F401 (a fixture)
 
 E4M3_MAX = 448.0
 
@@ -93,7 +94,7 @@ def test_fp8_engine_parameters_are_a_quarter_of_float32_and_its_tokens_agree(hf_
     ppl_f, ppl_q = perplexity(fp32.engine, ids, 200).perplexity, perplexity(fp8.engine, ids, 200).perplexity
     assert ppl_q / ppl_f - 1 < 0.02, (ppl_q, ppl_f)
     prompts = [ids[i:i + 12] for i in range(0, 96, 12)]
-    assert _greedy_agreement(fp32, fp8, prompts) >= FLOOR_HF
+    assert greedy_agreement(fp32, fp8, prompts) >= FLOOR_HF
 
 
 def test_bard_fp8_perplexity_within_two_percent_and_greedy_tokens_agree():
@@ -102,7 +103,7 @@ def test_bard_fp8_perplexity_within_two_percent_and_greedy_tokens_agree():
     ppl_f, ppl_q = perplexity(fp32.engine, ids, 200).perplexity, perplexity(fp8.engine, ids, 200).perplexity
     assert ppl_q / ppl_f - 1 < 0.02, (ppl_q, ppl_f)
     prompts = [ids[i:i + 16] for i in range(0, 8 * 64, 64)]
-    assert _greedy_agreement(fp32, fp8, prompts) >= FLOOR_BARD
+    assert greedy_agreement(fp32, fp8, prompts) >= FLOOR_BARD
 
 
 # Greedy-agreement floors a little under the measured fractions, 0.590 and 0.352 (docs/quantization.md): e4m3's
