@@ -7,7 +7,7 @@ The additive step model is linear in the inverse efficiencies and the overheads:
         + head_small0 / (compute_eff * head_small_eff_scale)
         + weights0 / weight_bw_eff + gemv0 / (weight_bw_eff * gemv_speedup)
         + kv0 / kv_bw_eff + comm_bw0 / comm_eff + comm_latency
-        + step_overhead + S * seq_overhead + prefill_tokens * prefill_token_overhead
+        + step_overhead + S * seq_overhead + prefill_rows * prefill_token_overhead
 
 where `compute0` (GEMMs), `attn0` (attention FLOPs), `pass0` (one query row over each prefill chunk's KV),
 `small0` (the attention FLOPs of chunks of at most SMALL_CHUNK_ROWS rows, at a rate of its own: a few rows
@@ -17,7 +17,10 @@ small chunks a calibration measures pin `attn_m_half` for all), `weights0` (matm
 a rate flat in the rows; the other GEMMs' FLOPs, in `compute0`, ramp with gemm_m_half), `head_small0` (the LM
 head's share of those: its kernel streams the embedding and adds little compute per row, so one rate for both
 made the fit trade the projections against the head and under-predict loaded steps; see docs/tuning.md),
-`gemv0` (one-row matmuls), `kv0`, `comm_bw0` are the model's terms at efficiency 1 (`unit_terms`). Attention has
+`gemv0` (one-row matmuls), `kv0`, `comm_bw0` are the model's terms at efficiency 1 (`unit_terms`), every one but
+attention counted at the step's padded token count, and `prefill_rows` a step's prefill tokens plus its padding
+(`step_model.prefill_rows`): the runtime computes padded rows like real ones, and a 129-token step padded to 192
+ran 1.4x a 128-token one where pricing its per-token cost on real tokens said 1.25x (docs/tuning.md). Attention has
 its own efficiency: on a CPU the jnp paged attention runs far below the GEMMs, and sharing one efficiency made
 the fit trade long-context (chunked) steps against short prefills, over-predicting the latter. Its per-pass
 term prices what a small chunk over a long history costs beyond its FLOPs (on a CPU such a chunk runs well below
@@ -51,6 +54,7 @@ from planner.step_model import (
     _collective_s,
     is_small_gemm,
     op_costs,
+    prefill_rows,
     step_time_shape,
 )
 
@@ -73,11 +77,12 @@ class Sample:
 
     shape: StepShape
     seconds: float
+    padded_tokens: int = 0  # the token bucket the step ran at (0: its own token count)
 
 
 def unit_terms(spec: ModelSpec, hw: Hardware, shape: StepShape, *, tp: int = 1, dtype: str = "bf16",
                kv_dtype: str | None = None, gemm_m_half: float = 16.0,
-               small_gemms: bool = True) -> dict[str, float]:
+               small_gemms: bool = True, padded_tokens: int = 0) -> dict[str, float]:
     """The step model's terms at efficiency 1 (seconds), plus the fixed collective latency; the weights of
     one-row matmuls (`gemv`) apart from the others' (`weights`), since a CPU streams them through another
     kernel. With `small_gemms`, the FLOPs of small GEMMs (`is_small_gemm`) go to `gemm_small`, without the
@@ -85,7 +90,7 @@ def unit_terms(spec: ModelSpec, hw: Hardware, shape: StepShape, *, tp: int = 1, 
     peak = hw.peak(dtype)
     out = dict.fromkeys(_COLUMNS, 0.0)
     latency = 0.0
-    for op in op_costs(spec, shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype):
+    for op in op_costs(spec, shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype, padded_tokens=padded_tokens):
         n = op.count
         if op.flops and small_gemms and is_small_gemm(op):
             out["head_small" if op.name == LM_HEAD else "gemm_small"] += op.flops * n / peak
@@ -103,7 +108,7 @@ def unit_terms(spec: ModelSpec, hw: Hardware, shape: StepShape, *, tp: int = 1, 
             latency += lat * n
     out["step"] = 1.0
     out["seq"] = float(shape.num_seqs)
-    out["prefill_token"] = float(shape.prefill_tokens)
+    out["prefill_token"] = float(prefill_rows(shape, padded_tokens))
     out["comm_latency"] = latency
     return out
 
@@ -148,7 +153,8 @@ def fit_coefficients(spec: ModelSpec, hw: Hardware, samples: Sequence[Sample], *
     jw, jg = _COLUMNS.index("weights"), _COLUMNS.index("gemv")
     best: tuple[float, Coefficients, float] | None = None
     # Small GEMMs get a rate of their own only when enough steps have some and enough have larger ones.
-    ops = [op_costs(spec, s.shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype) for s in samples]
+    ops = [op_costs(spec, s.shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype, padded_tokens=s.padded_tokens)
+           for s in samples]
     small_gemms = min(sum(any(is_small_gemm(op) for op in o) for o in ops),
                       sum(any(op.gemm_rows > SMALL_GEMM_ROWS for op in o) for o in ops)) >= MIN_SMALL_GEMM_SAMPLES
     # ... and the LM head's apart from the projections' only given steps whose head has fewer rows than their
@@ -157,7 +163,7 @@ def fit_coefficients(spec: ModelSpec, hw: Hardware, samples: Sequence[Sample], *
                                      for s in samples) >= MIN_SMALL_GEMM_SAMPLES
     for m_half in M_HALF_GRID:
         rows = [unit_terms(spec, hw, s.shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype, gemm_m_half=m_half,
-                           small_gemms=small_gemms) for s in samples]
+                           small_gemms=small_gemms, padded_tokens=s.padded_tokens) for s in samples]
         a = np.array([[r[c] for c in _COLUMNS] for r in rows])
         if not small_head:
             a[:, _COLUMNS.index("gemm_small")] += a[:, _COLUMNS.index("head_small")]
@@ -213,8 +219,8 @@ def fit_coefficients(spec: ModelSpec, hw: Hardware, samples: Sequence[Sample], *
         fitted = Coefficients(**{k: float(v) for k, v in fitted.to_dict().items()})
         # Judge each m_half by what the written coefficients predict (efficiencies are capped at 1.5).
         fhw = dataclasses.replace(hw, coefficients=fitted)
-        rel = np.array([step_time_shape(spec, fhw, s.shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype).total_s
-                        for s in samples]) / y - 1
+        rel = np.array([step_time_shape(spec, fhw, s.shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype,
+                                        padded_tokens=s.padded_tokens).total_s for s in samples]) / y - 1
         err, sse = float(np.median(np.abs(rel))), float(np.sum(rel**2))
         if best is None or sse < best[0]:
             best = (sse, fitted, err)

@@ -266,12 +266,22 @@ def _collective_s(hw: Hardware, tp: int, payload: float, allgather: bool, eff: f
     return (lat if latency else 0.0) + factor * payload / (link * eff)
 
 
+def prefill_rows(shape: StepShape, padded_tokens: int = 0) -> float:
+    """Rows a step with prefill runs beyond its decodes: its chunks' tokens and the padding up to its bucket (the
+    runtime computes padded rows as it does real ones; only attention skips them); 0 for a decode-only step."""
+    if shape.prefill_tokens <= 0:
+        return 0.0
+    return max(shape.num_tokens, padded_tokens) - shape.num_decode
+
+
 def time_ops(ops: Sequence[OpCost], spec: ModelSpec, shape: StepShape, hw: Hardware, *, tp: int = 1,
-             dtype: str = "bf16", coefficients: Coefficients | None = None, steps_per_dispatch: int = 1) -> StepTime:
+             dtype: str = "bf16", coefficients: Coefficients | None = None, steps_per_dispatch: int = 1,
+             padded_tokens: int = 0) -> StepTime:
     """Combine operation costs into a step time with `coefficients` (default: the hardware's).
 
     A decode-only step run `steps_per_dispatch` at a time (`--num-scheduler-steps`) pays its share of one
-    dispatch's host overhead (`dispatch_overhead_s`) instead of a whole one."""
+    dispatch's host overhead (`dispatch_overhead_s`) instead of a whole one. `padded_tokens`: the bucket the
+    step runs at (`ops` already counted at it); the per-token overhead is paid on its padded prefill rows."""
     c = coefficients or hw.coefficients
     peak = hw.peak(dtype)
     compute = weight = kv = comm = ideal_comm = 0.0
@@ -302,7 +312,7 @@ def time_ops(ops: Sequence[OpCost], spec: ModelSpec, shape: StepShape, hw: Hardw
             ideal_comm += _collective_s(hw, tp, op.comm_bytes, op.allgather, 1.0) * n
     shared = c.dispatch_overhead_s * (1 - 1 / steps_per_dispatch) if shape.prefill_tokens == 0 else 0.0
     overhead = (c.step_overhead_s - shared + spec.num_layers * c.layer_overhead_s + shape.num_seqs * c.seq_overhead_s
-                + shape.prefill_tokens * c.prefill_token_overhead_s)
+                + prefill_rows(shape, padded_tokens) * c.prefill_token_overhead_s)
     roofline = max(flops / peak, nbytes / hw.memory_bw) + ideal_comm
     total = compute + weight + kv + comm + overhead
     return StepTime(total_s=total, compute_s=compute, weight_s=weight, kv_s=kv, comm_s=comm, overhead_s=overhead,
@@ -337,7 +347,7 @@ def step_time_shape(spec: ModelSpec, hw: Hardware, shape: StepShape, *, tp: int 
         return StepTime(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, shape)
     ops = op_costs(spec, shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype, padded_tokens=padded_tokens)
     return time_ops(ops, spec, shape, hw, tp=tp, dtype=dtype, coefficients=coefficients,
-                    steps_per_dispatch=steps_per_dispatch)
+                    steps_per_dispatch=steps_per_dispatch, padded_tokens=padded_tokens)
 
 
 def step_time(spec: ModelSpec, hw: Hardware, decode_context_lens: Iterable[int] = (),

@@ -236,3 +236,34 @@ def test_fit_learns_the_lm_head_kernel_apart_from_the_projections():
     decodes_only, _ = fit_coefficients(SMALL, cpu, samples[: len(shapes())], dtype="fp32",
                                        fixed={"weight_bw_eff": 0.7})
     assert decodes_only.head_small_eff_scale == 0.0
+
+
+def test_a_padded_prefill_step_pays_per_row_costs_on_its_padding_and_the_fit_learns_them():
+    """The runtime computes a step at its token bucket: a 129-token step padded to 192 runs 192 rows of everything
+    but attention, so its per-token overhead is paid on 192 - decodes rows; decode-only steps pay none."""
+    truth = Coefficients(compute_eff=0.6, gemm_m_half=16.0, weight_bw_eff=0.9, kv_bw_eff=0.3,
+                         step_overhead_s=0.003, layer_overhead_s=0.0, seq_overhead_s=1e-4,
+                         prefill_token_overhead_s=1.5e-4)
+    cpu = CATALOG["cpu"]
+    measured_hw = dataclasses.replace(cpu, coefficients=truth)
+    mixed = decode_shape(1, 100) + prefill_shape(128, 0)
+    plain = step_time_shape(SMALL, measured_hw, mixed, dtype="fp32", padded_tokens=129).total_s
+    padded = step_time_shape(SMALL, measured_hw, mixed, dtype="fp32", padded_tokens=192)
+    assert padded.overhead_s - step_time_shape(SMALL, measured_hw, mixed, dtype="fp32",
+                                               padded_tokens=129).overhead_s == pytest.approx(63 * 1.5e-4)
+    assert padded.total_s > plain
+    decode = decode_shape(5, 100)
+    assert (step_time_shape(SMALL, measured_hw, decode, dtype="fp32", padded_tokens=6).overhead_s
+            == step_time_shape(SMALL, measured_hw, decode, dtype="fp32").overhead_s)
+    # Measurements made at buckets: the fit, told each step's bucket, predicts a padded step it never saw.
+    buckets = {16: 16, 64: 64, 136: 192, 256: 256, 264: 384, 1024: 1024}
+    samples = [Sample(s, step_time_shape(SMALL, measured_hw, s, dtype="fp32").total_s) for s in shapes()
+               if s.prefill_tokens == 0]
+    samples += [Sample(prefill_shape(n, 0), step_time_shape(SMALL, measured_hw, prefill_shape(n, 0), dtype="fp32",
+                                                            padded_tokens=b).total_s, b) for n, b in buckets.items()]
+    fitted, err = fit_coefficients(SMALL, cpu, samples, dtype="fp32", fixed={"weight_bw_eff": 0.9})
+    assert err < 0.02
+    fhw = dataclasses.replace(cpu, coefficients=fitted)
+    new = decode_shape(4, 128) + prefill_shape(130, 0)
+    assert step_time_shape(SMALL, fhw, new, dtype="fp32", padded_tokens=192).total_s == pytest.approx(
+        step_time_shape(SMALL, measured_hw, new, dtype="fp32", padded_tokens=192).total_s, rel=0.03)

@@ -42,7 +42,7 @@ from jaxserve.model.dtypes import planner_dtype
 from planner.api import choose_num_scheduler_steps
 from planner.calibration import Sample, fit_coefficients
 from planner.hardware import GIGA, Hardware
-from planner.step_model import step_time_shape
+from planner.step_model import pad_tokens, step_time_shape
 
 Progress = Callable[[str, float], None]  # (phase description, fraction of the whole done)
 
@@ -54,7 +54,9 @@ class CalibrationConfig:
     # 2048 and 3072: long lone prefills, so the fit sees attention's cost apart from the chunked (mixed) steps'.
     # With 2048 alone, the report's 4096-token prompt came out slow: the CPU kernel's tiles of a long prompt run at
     # a better rate than the many mixed steps' shorter chunks (docs/tuning.md).
-    prefill_lens: tuple[int, ...] = (16, 64, 256, 512, 2048, 3072)
+    # 136 and 264: prompts just past a bucket (192 and 384 on the half-octave ladder), so the fit sees padded rows
+    # as a Poisson load's prefill steps run them (a 128-token prompt beside a few decodes).
+    prefill_lens: tuple[int, ...] = (16, 64, 136, 256, 264, 512, 2048, 3072)
     # Nine decode points of ten steps each: with five points of six steps, one noisy decode step moved the
     # report's TPOT headline by several percent.
     decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
@@ -209,11 +211,12 @@ def _calibrate(engine, cfg: CalibrationConfig, progress: Progress | None, seed: 
                                      dtype=engine.dtype)
     stream, stream_rows = streams[1], streams[2]
     fixed = {"weight_bw_eff": float(np.clip(stream_rows / bw, 0.01, 1.5))}
-    coefficients, _ = fit_coefficients(spec, hw, [Sample(s.shape, s.seconds) for s in samples], dtype=dtype,
-                                       kv_dtype=kv_dtype, fixed=fixed)
+    buckets = engine.runner.token_buckets
+    fit_samples = [Sample(s.shape, s.seconds, pad_tokens(s.shape.num_tokens, buckets)) for s in samples]
+    coefficients, _ = fit_coefficients(spec, hw, fit_samples, dtype=dtype, kv_dtype=kv_dtype, fixed=fixed)
     hw = hw.with_coefficients(**{**coefficients.to_dict(), "dispatch_overhead_s": dispatch})
-    errors = [step_time_shape(spec, hw, s.shape, dtype=dtype, kv_dtype=kv_dtype).total_s / s.seconds - 1
-              for s in samples]
+    errors = [step_time_shape(spec, hw, s.shape, dtype=dtype, kv_dtype=kv_dtype,
+                              padded_tokens=s.padded_tokens).total_s / s.seconds - 1 for s in fit_samples]
     fit = FitResult(median_abs_error=float(np.median(np.abs(errors))), max_abs_error=float(np.max(np.abs(errors))),
                     errors=errors, fixed=fixed)
     attention = _attention_slopes(samples)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxserve.calibrate.steps import PromptSource, measure_decode, measure_prefill
-from planner.step_model import step_time_shape
+from planner.step_model import pad_tokens, step_time_shape
 
 PREFILL_TOKENS = 256
 DECODES, DECODE_CONTEXT, DECODE_STEPS = 4, 128, 16
@@ -33,7 +33,8 @@ def probe(ctx: Any, when: str) -> dict[str, Any]:
     samples += measure_decode(engine, ids, min(DECODES, engine.config.max_num_seqs), context, DECODE_STEPS)
     out: dict[str, Any] = {"when": when}
     for s in samples:
-        predicted = step_time_shape(ctx.spec, ctx.hw, s.shape, **ctx.dtypes).total_s
+        predicted = step_time_shape(ctx.spec, ctx.hw, s.shape, **ctx.dtypes,
+                                    padded_tokens=pad_tokens(s.shape.num_tokens, engine.runner.token_buckets)).total_s
         out[s.kind] = {"tokens": s.shape.num_tokens, "measured_ms": s.seconds * 1e3,
                        "predicted_ms": predicted * 1e3, "measured_over_predicted": s.seconds / predicted}
     ctx.log("reference steps " + when + ": " + ", ".join(
