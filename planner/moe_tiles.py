@@ -4,7 +4,8 @@ the step model to price what runs rather than an ideal grouped GEMM.
 A step's T x k (token, expert) rows are grouped by expert into tiles of R rows, each expert's rows padded to whole
 tiles. Decode-sized steps (T <= DECODE_TILE_MAX) take R = T: one tile per distinct expert, whose padding rows the
 grouped kernels skip. Larger steps take R near the mean rows per expert, and every tile's R rows are computed, so
-their expert FLOPs follow the expected tiles, not T x k.
+their expert FLOPs follow the expected tiles, not T x k. R follows the step's bucket; the bucket's padding rows
+route to no expert (the runtime masks them), so the tiles follow the real tokens.
 """
 
 from __future__ import annotations
@@ -25,15 +26,16 @@ def tile_rows(num_tokens: int, k: int, num_experts: int) -> int:
     return min(MAX_TILE, max(MIN_TILE, 1 << (mean - 1).bit_length()))
 
 
-def expected_tiles(num_tokens: int, k: int, num_experts: int) -> float:
+def expected_tiles(num_tokens: int, k: int, num_experts: int, padded_tokens: int = 0) -> float:
     """Expected tiles of one step under uniform routing: sum over experts of E[ceil(c / R)], c ~ Binomial(T, k/E)
     the expert's rows, i.e. E * sum_j P(c > j R); the normal approximation (continuity-corrected) past decode
-    sizes, where it is exact enough and keeps the planner's searches fast."""
+    sizes, where it is exact enough and keeps the planner's searches fast. `padded_tokens`: the bucket the step
+    runs at, which sets R (`tile_rows`); its padding rows route to no expert."""
     if num_experts <= 0 or num_tokens <= 0:
         return 0.0
     p = min(1.0, k / num_experts)
-    r = tile_rows(num_tokens, k, num_experts)
-    if num_tokens <= DECODE_TILE_MAX:  # R = T: one tile for every expert with a row
+    r = tile_rows(max(num_tokens, padded_tokens), k, num_experts)
+    if r >= num_tokens:  # one tile for every expert with a row (R = T at decode sizes)
         return num_experts * (1.0 - (1.0 - p) ** num_tokens)
     mu, sd = num_tokens * p, math.sqrt(max(num_tokens * p * (1.0 - p), 1e-12))
     per_expert = sum(0.5 * math.erfc((j * r + 0.5 - mu) / (sd * math.sqrt(2.0)))

@@ -195,18 +195,20 @@ def op_costs(spec: ModelSpec, shape: StepShape, *, tp: int = 1, dtype: str = "bf
     if spec.is_moe:
         E, k, sh = spec.num_experts, spec.num_experts_per_tok, spec.num_shared_experts
         mi = spec.moe_intermediate_size / tp
-        distinct = expected_experts(E, k, T)
+        real = shape.num_tokens  # the bucket's padding rows route to no expert
+        distinct = expected_experts(E, k, real)
         ops.append(OpCost("router", flops=2 * T * h * E, weight_bytes=h * E * bw, act_bytes=T * (h + E) * 4,
                           count=spec.num_moe_layers, gemm_rows=T))
         if T > DECODE_TILE_MAX:  # prefill-sized: every row of every tile is computed (planner/moe_tiles.py)
             rows = tile_rows(math.ceil(T), k, E)
-            expert_rows = expected_tiles(math.ceil(T), k, E) * rows
+            expert_rows = expected_tiles(math.ceil(real), k, E, padded_tokens=math.ceil(T)) * rows
         else:  # one tile per touched expert, its padding skipped
-            rows = max(1.0, T * k / max(distinct, 1e-9))  # tokens per touched expert: the GEMM's M
-            expert_rows = T * k
+            rows = max(1.0, real * k / max(distinct, 1e-9))  # tokens per touched expert: the GEMM's M
+            expert_rows = real * k
         ops.append(OpCost("experts", flops=2 * (expert_rows + T * sh) * 3 * h * mi,
                           weight_bytes=(distinct + sh) * 3 * h * mi * bw,
-                          act_bytes=T * (k + sh) * (2 * h + 4 * mi) * ba, count=spec.num_moe_layers, gemm_rows=rows))
+                          act_bytes=(real * k + T * sh) * (2 * h + 4 * mi) * ba, count=spec.num_moe_layers,
+                          gemm_rows=rows))
     ops.append(OpCost("allreduce_mlp", comm_bytes=T * h * ba * ar, collectives=ar, count=L))
     # Vocab-parallel embedding (gather of T rows, then an all-reduce), lm_head on one row per sequence, sampling.
     ops.append(OpCost("embedding", weight_bytes=min(T, spec.vocab_size) * h * bw / tp, act_bytes=T * h * ba,

@@ -144,6 +144,29 @@ def test_grouped_experts_equal_the_dense_sum_and_skip_unused_experts(tokens, in_
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("in_kernel", [False, True], ids=["xla-loop", "grouped-kernel"])
+@pytest.mark.parametrize("tokens,real", [(8, 5), (192, 130)])
+def test_a_steps_padding_rows_run_no_expert(tokens, real, in_kernel):
+    """A step padded to its bucket: the real rows come out as without the padding and the padding rows as zeros;
+    the padding's experts (NaN here) are never read, though every padding row chose them."""
+    e, k, hidden, inter = 8, 2, 32, 24
+    rng = np.random.default_rng(real)
+    x = jnp.asarray(rng.standard_normal((tokens, hidden), np.float32))
+    gate_up = rng.standard_normal((e, hidden, 2, inter), np.float32) * hidden**-0.5
+    down = rng.standard_normal((e, inter, hidden), np.float32) * inter**-0.5
+    ids = np.stack([rng.choice(6, size=k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    ids[real:] = (6, 7)  # the padding (one token repeated) all routes to experts 6 and 7 ...
+    gate_up[6:], down[6:] = np.nan, np.nan  # ... which no real row chose
+    weights = jnp.asarray(rng.random((tokens, k), np.float32))
+    args = (jnp.asarray(ids), weights, jnp.asarray(gate_up), jnp.asarray(down))
+    grouped = _grouped_kernel() if in_kernel else None
+    got = jax.jit(lambda x, *a: grouped_experts(x, *a, grouped=grouped, num_tokens=jnp.int32(real)))(x, *args)
+    alone = jax.jit(lambda x, *a: grouped_experts(x, *a, grouped=grouped))(x[:real], *(a[:real] for a in args[:2]),
+                                                                           *args[2:])
+    np.testing.assert_allclose(np.asarray(got[:real]), np.asarray(alone), atol=1e-5, rtol=1e-5)
+    assert not np.any(np.asarray(got[real:]))
+
+
 def test_an_moe_engine_runs_its_experts_in_the_grouped_kernel_at_its_plans_step_sizes(monkeypatch):
     _grouped_kernel()
     prompts = ["The experts", "Mixture of", "abc"]

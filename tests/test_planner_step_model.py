@@ -195,3 +195,21 @@ def test_a_quantized_kv_read_counts_each_rows_scale_beside_its_codes():
     hd = L8B.head_dim  # 128: one float32 scale per 128 one-byte codes
     assert kv_read("int8") / kv_read("bf16") == pytest.approx((hd + 4) / (2 * hd))
     assert kv_read("fp8") == pytest.approx(kv_read("int8"))
+
+
+def test_a_padded_moe_step_prices_its_real_tokens_experts_in_its_buckets_tiles():
+    """The runtime routes only a step's real tokens; the bucket sets the tile size. 130 tokens at 192 rows: tiles
+    of 64 (192 x 2 / 8 = 48 rows an expert, rounded up), filled by 130 tokens' 260 rows."""
+    mix = PRESETS["mixtral-8x7b"]
+    shape = prefill_shape(130)
+
+    def experts(padded: int):
+        return {op.name: op for op in op_costs(mix, shape, padded_tokens=padded)}["experts"]
+
+    per_row = 2 * 3 * mix.hidden_size * mix.moe_intermediate_size
+    assert experts(192).flops == pytest.approx(expected_tiles(130, 2, 8, padded_tokens=192) * 64 * per_row)
+    assert expected_tiles(130, 2, 8, padded_tokens=192) < expected_tiles(192, 2, 8)
+    # decode sizes: one tile per expert the real tokens touch, whatever the bucket
+    assert expected_tiles(5, 2, 8, padded_tokens=6) == pytest.approx(expected_experts(8, 2, 5))
+    assert experts(192).weight_bytes == pytest.approx(expected_experts(8, 2, 130) * 3 * mix.hidden_size
+                                                      * mix.moe_intermediate_size * 2)

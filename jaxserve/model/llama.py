@@ -111,7 +111,10 @@ class DecoderLayer(nnx.Module):
                  plan: KernelPlan | None = None) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         a, kv = self.attn(self.input_norm(x), cos, sin, kv, meta, cpu_kernel, attention, plan)
         x = x + a
-        return x + self.mlp(self.post_attn_norm(x), cpu_kernel, plan), kv
+        h = self.post_attn_norm(x)
+        if isinstance(self.mlp, MoE):  # the bucket's padding rows (after the real tokens) run no routed expert
+            return x + self.mlp(h, cpu_kernel, plan, num_tokens=meta.num_tokens), kv
+        return x + self.mlp(h, cpu_kernel, plan), kv
 
 
 class LlamaForCausalLM(nnx.Module):

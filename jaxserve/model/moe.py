@@ -54,12 +54,13 @@ def route(logits: jax.Array, k: int, *, norm_topk_prob: bool, scaling: float = 1
 
 
 def grouped_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, gate_up: jax.Array, down: jax.Array,
-                    linear=None, grouped=None) -> jax.Array:
+                    linear=None, grouped=None, num_tokens: jax.Array | None = None) -> jax.Array:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x [T, hidden], each expert a SwiGLU MLP.
 
     gate_up [E, hidden, 2, I], down [E, I, hidden]. Only the tiles of experts some token chose run (module doc):
     in a loop of `linear(x, w)` (default: XLA's dot), or all at once by `grouped(tiles_x, w, tile_expert,
-    tile_rows)` (`cpu_matmul.cpu_grouped_matmul`'s contract) where one is given.
+    tile_rows)` (`cpu_matmul.cpu_grouped_matmul`'s contract) where one is given. `num_tokens`: the step's real
+    tokens (a device scalar); the rows after them (the bucket's padding) go to no expert and come out zero.
     """
     linear = linear or (lambda a, w: a @ w.reshape(w.shape[0], -1))
     t, k = ids.shape
@@ -67,16 +68,20 @@ def grouped_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, gate_up: j
     r = tile_rows(t, k, e)
     a = t * k
     max_tiles = min(a, (a + min(e, a) * (r - 1)) // r)
+    if num_tokens is not None:  # padding rows are one token repeated: routed, they pile onto two experts' tiles
+        ids = jnp.where((jnp.arange(t) < num_tokens)[:, None], ids, e)
     flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
+    order = jnp.argsort(flat, stable=True)  # assignments grouped by expert (expert e, padding, last)
     sorted_e = flat[order]
-    counts = jnp.zeros(e, jnp.int32).at[flat].add(1)
+    counts = jnp.zeros(e, jnp.int32).at[flat].add(1, mode="drop")
     tiles = (counts + r - 1) // r
     tile_end = jnp.cumsum(tiles)
     group_start = jnp.cumsum(counts) - counts
     padded_start = (tile_end - tiles) * r
+    # Padding's rows land past the tiles (dropped below) and read no output.
+    padded_start, group_start = (jnp.append(padded_start, max_tiles * r), jnp.append(group_start, 0))
     dest = padded_start[sorted_e] + jnp.arange(a, dtype=jnp.int32) - group_start[sorted_e]  # row in the tiles
-    token_of_row = jnp.full(max_tiles * r, t, jnp.int32).at[dest].set(order // k)  # t: a zero row
+    token_of_row = jnp.full(max_tiles * r, t, jnp.int32).at[dest].set(order // k, mode="drop")  # t: a zero row
     xs = jnp.concatenate([x, jnp.zeros((1, hidden), x.dtype)])[token_of_row]
     tile_expert = jnp.searchsorted(tile_end, jnp.arange(max_tiles, dtype=jnp.int32), side="right")
 
@@ -97,7 +102,8 @@ def grouped_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, gate_up: j
     else:
         out = lax.fori_loop(0, tile_end[-1], tile, jnp.zeros((max_tiles * r, hidden), x.dtype))
     w_sorted = weights.reshape(-1)[order].astype(jnp.float32)
-    contrib = (out[dest].astype(jnp.float32) * w_sorted[:, None]).astype(x.dtype)
+    rows = jnp.where((sorted_e < e)[:, None], out[jnp.minimum(dest, max_tiles * r - 1)].astype(jnp.float32), 0.0)
+    contrib = (rows * w_sorted[:, None]).astype(x.dtype)
     return jnp.zeros_like(x).at[order // k].add(contrib)
 
 
@@ -118,7 +124,9 @@ class MoE(nnx.Module):
         self.scaling = spec.routed_scaling_factor
         self.topk_method, self.n_group, self.topk_group = spec.topk_method, spec.n_group, spec.topk_group
 
-    def __call__(self, x: jax.Array, cpu_kernel: bool = False, plan: KernelPlan | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, cpu_kernel: bool = False, plan: KernelPlan | None = None,
+                 num_tokens: jax.Array | None = None) -> jax.Array:
+        """The routed (+ shared) experts of x [T, hidden]; rows from `num_tokens` on (padding) skip the routed ones."""
         logits = x.astype(jnp.float32) @ self.router[...]
         weights, ids = route(logits, self.top_k, norm_topk_prob=self.norm_topk_prob, scaling=self.scaling,
                              topk_method=self.topk_method, n_group=self.n_group, topk_group=self.topk_group)
@@ -128,7 +136,8 @@ class MoE(nnx.Module):
         mm = lambda a, w: linear(a, w.reshape(w.shape[0], -1))  # noqa: E731
         use = (cpu_kernel and (plan is None or plan.moe(x.shape[0])) and x.shape[0] <= DECODE_TILE_MAX
                and cpu_matmul.supports_grouped(x, gate_up) and cpu_matmul.supports_grouped(x, down))
-        y = grouped_experts(x, ids, weights, gate_up, down, mm, cpu_matmul.cpu_grouped_matmul if use else None)
+        y = grouped_experts(x, ids, weights, gate_up, down, mm, cpu_matmul.cpu_grouped_matmul if use else None,
+                            num_tokens)
         if self.shared is not None:
             y = y + self.shared(x, cpu_kernel, plan)
         return y

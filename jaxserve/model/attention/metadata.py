@@ -23,3 +23,8 @@ class AttentionMetadata:
     page_table: jax.Array  # [S, P] int32
     num_seqs: jax.Array  # [] int32, real sequences
     num_decodes: jax.Array  # [] int32, leading sequences with exactly one query token
+
+    @property
+    def num_tokens(self) -> jax.Array:
+        """[] int32: the step's real tokens; the rows after them are the bucket's padding."""
+        return self.cu_q_lens[self.num_seqs]
