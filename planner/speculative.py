@@ -12,8 +12,9 @@ weights once for all rows, so on a bandwidth-bound device it costs little more t
 proposer is ~0 for n-gram lookup (host work) or, for a draft model, its own k steps: one forward over the
 sequences' newest tokens, then k - 1 decode iterations in one jitted call, each with its LM head and sampling. The
 host prepares and collects them once a round, so they are priced as --num-scheduler-steps prices k decode steps in
-one dispatch (`steps_per_dispatch=k`: one `dispatch_overhead_s` for the k, the rest of each step's costs k times;
-a step saves at most its fixed overhead, where a profile's fit left less of it than its measured dispatch).
+one dispatch: one `dispatch_overhead_s` for the k, the rest of each step's costs k times (each step less the
+dispatch's host work, at most its fitted fixed overhead where a profile's fit left less there than the dispatch
+measured; the round still pays its one dispatch in full).
 """
 
 from __future__ import annotations
@@ -96,13 +97,14 @@ def proposer_s(method: str, hw: Hardware, batch: int, context_len: float, k: int
         return 0.0
     if draft is None:
         raise ValueError("a draft_model proposer needs the draft model's spec")
-    total = 0.0
+    host = max(hw.coefficients.dispatch_overhead_s, 0.0)
+    kw = dict(tp=tp, dtype=dtype, kv_dtype=kv_dtype, padded_tokens=pad_tokens(batch, token_buckets))
+    total = host  # the host prepares and collects the k steps once
     for i in range(k):
-        kw = dict(tp=tp, dtype=dtype, kv_dtype=kv_dtype, padded_tokens=pad_tokens(batch, token_buckets))
         alone = step_time_shape(draft, hw, decode_shape(batch, context_len + i), **kw)
-        shared = step_time_shape(draft, hw, decode_shape(batch, context_len + i), steps_per_dispatch=k, **kw)
-        # The dispatch seconds saved are part of a step's fixed overhead: never more than the profile's fitted one.
-        total += alone.total_s - min(alone.total_s - shared.total_s, max(alone.overhead_s, 0.0))
+        # Each step's own work: the step less its share of a dispatch's host work, which lives in its fitted fixed
+        # overhead (a fit can leave less there than the dispatch measured: then that much is taken).
+        total += alone.total_s - min(host, max(alone.overhead_s, 0.0))
     return total
 
 

@@ -2,6 +2,8 @@
 
 import pytest
 from cli_helpers import run_cli
+from hypothesis import given
+from hypothesis import strategies as st
 
 from jaxserve.core.engine_config import EngineConfig
 from jaxserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
@@ -60,3 +62,20 @@ def test_ngram_lookup_proposes_what_followed_the_longest_match():
     assert ngram_propose([1, 2, 3], 3, 1, 4) == []
     assert ngram_propose([4, 1, 9, 1, 8, 1], 1, 1, 1) == [8]  # the most recent earlier occurrence
     assert ngram_propose([1, 2, 3, 1], 3, 2, 4) == []  # shorter than prompt_lookup_min
+
+
+def _ngram_by_windows(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The lookup by its definition: every n from the longest down, every earlier window of n tokens."""
+    size = len(tokens)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        hits = [i for i in range(size - n) if tokens[i: i + n] == tokens[size - n:]]
+        if hits:
+            return tokens[hits[-1] + n: hits[-1] + n + k]
+    return []
+
+
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=40), st.integers(1, 5), st.integers(1, 3),
+       st.integers(1, 6))
+def test_ngram_lookup_is_the_longest_most_recent_earlier_match(tokens, k, min_n, max_n):
+    assert ngram_propose(tokens, k, min_n, max(min_n, max_n)) == _ngram_by_windows(tokens, k, min_n,
+                                                                                  max(min_n, max_n))
