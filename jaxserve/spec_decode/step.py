@@ -24,7 +24,7 @@ from jaxserve.runner.model_runner import StepResult
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.draft import DraftProposer
 from jaxserve.spec_decode.ngram import NgramProposer, draft_room
-from jaxserve.spec_decode.verify import Verifier
+from jaxserve.spec_decode.verify import Verifier, VerifyResult
 
 
 @dataclass
@@ -112,6 +112,14 @@ class SpeculativeDecoder:
                 req.first_scheduled_time = now
             seeds.append(eng._tracked[req.request_id].seed)
         compiles = eng.compile_count()
+        if self.draft is None and not np.any(batch.num_drafts):  # lookup found nothing: a plain step's own path
+            sampling = eng._sampling_for(batch, eng.runner)
+            plain = eng.runner.execute(batch, sampling)
+            no = np.zeros(len(plain.tokens), bool)
+            result = VerifyResult(no, plain.tokens, plain.logprobs, plain.top_ids, plain.top_logprobs)
+            outputs = self._commit(batch, result)
+            eng._record_step(batch, start, eng.compile_count() > compiles)
+            return outputs
         q_flat, q_index = None, np.zeros(len(batch.logits_indices), np.int32)
         if self.draft is not None:
             q_flat, q_index = self.draft.propose(batch, seeds, set(sched.requests))
