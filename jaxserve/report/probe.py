@@ -15,9 +15,6 @@ from jaxserve.calibrate.steps import PromptSource, measure_decode, measure_prefi
 from planner.step_model import pad_tokens, step_time_shape
 
 PREFILL_TOKENS = 256
-# The fastest of 5: the first few steps after a pause of planner work (calibrate's fit) ran up to 1.8x slower on
-# `bard` for ~100 ms and flagged every bard report unsteady (docs/tuning.md).
-PREFILL_REPEATS = 5
 DECODES, DECODE_CONTEXT, DECODE_STEPS = 4, 128, 16
 # Past this spread of a reference step's measured / predicted ratio the report says the machine was unsteady:
 # above what quiet checkpoints spread, below what a slow spell moves them; see docs/tuning.md.
@@ -31,7 +28,7 @@ def probe(ctx: Any, when: str) -> dict[str, Any]:
     ids = PromptSource(engine, 7919 * ctx.cfg.seed + ctx.salt)
     sc = engine.scheduler.config  # a longer prompt would be chunked, and measure_prefill keeps one-step prefills
     prefill_len = min(PREFILL_TOKENS, sc.max_num_batched_tokens, sc.chunk_size, engine.max_model_len - 1)
-    samples = measure_prefill(engine, ids, (prefill_len,), repeats=PREFILL_REPEATS)
+    samples = measure_prefill(engine, ids, (prefill_len,), repeats=3)
     context = min(DECODE_CONTEXT, engine.max_model_len - DECODE_STEPS - 8)
     samples += measure_decode(engine, ids, min(DECODES, engine.config.max_num_seqs), context, DECODE_STEPS)
     out: dict[str, Any] = {"when": when}
@@ -82,7 +79,7 @@ def probe_markdown(report: dict[str, Any]) -> list[str]:
                       if v else ["-", "-"])
         lines.append(f"| {p['when']} | " + " | ".join(cells) + " |")
     prefill = next((p["prefill"]["tokens"] for p in probes if "prefill" in p), PREFILL_TOKENS)
-    lines += ["", f"A lone {prefill}-token prefill (the minimum of {PREFILL_REPEATS}) and a step of {DECODES} "
-              f"decodes at ~{DECODE_CONTEXT} tokens of context (the median of {DECODE_STEPS}), timed before the first "
-              "part and after each: a ratio that moves between rows is the machine, not the planner.", ""]
+    lines += ["", f"A lone {prefill}-token prefill (the minimum of 3) and a step of {DECODES} decodes at "
+              f"~{DECODE_CONTEXT} tokens of context (the median of {DECODE_STEPS}), timed before the first part and "
+              "after each: a ratio that moves between rows is the machine, not the planner.", ""]
     return lines
