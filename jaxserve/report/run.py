@@ -59,6 +59,8 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
                        "max_abs_error": cal.fit.max_abs_error, "samples": len(cal.samples),
                        "profile": str(out / "profile.json")}
         log(f"calibrated in {cal.seconds:.0f} s: step fit median |error| {cal.fit.median_abs_error:.1%}")
+        # As after loading a profile: the first steps after the fit's seconds of host work ran slow (docs/tuning.md).
+        warm_engine(engine, PromptSource(engine, cfg.seed + 1))
     ctx = Context(engine=engine, spec=engine.spec, hw=hw, dtype=dtype, kv_dtype=kv_dtype, cfg=cfg, log=log)
     rows: list[dict[str, Any]] = []
     probes = [probe(ctx, "before the grid")]
