@@ -14,9 +14,6 @@ gpu_quantized.md into OUT_DIR (default: $OUT if set, else out/gpu_quantized).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -28,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_step import _gpu_name, guarded, to_decoding  # noqa: E402
+from gpu_step import _gpu_name, begin, finish, guarded, to_decoding  # noqa: E402
 
 from jaxserve.core.engine_config import EngineConfig  # noqa: E402
 from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
@@ -146,22 +143,9 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", nargs="?", default=os.environ.get("OUT") or "out/gpu_quantized")
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on a CPU")
-    ap.add_argument("--budget-s", type=float, default=300.0, help="skip variants that would start after this")
-    args = ap.parse_args()
+    args, out, log, t0 = begin(__doc__.splitlines()[0], "out/gpu_quantized", 300.0)
     plan = SMOKE if args.cpu_smoke else Plan()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-
-    def log(msg: str) -> None:
-        print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", flush=True)
-
     device = jax.devices()[0]
-    if device.platform == "cpu" and not args.cpu_smoke:
-        log("warning: no accelerator; the figures below measure this CPU")
     hw = load_hardware("cpu" if device.platform == "cpu" else _gpu_name())
     report: dict[str, Any] = {"device": device.device_kind, "jax": jax.__version__, "plan": asdict(plan),
                               "hardware": hw.name, "variants": {}}
@@ -171,11 +155,7 @@ def main() -> None:
             continue
         log(f"{label}: building")
         report["variants"][label] = guarded(lambda q=quantization, k=kv: variant(plan, q, k, hw, log), log)
-    report["elapsed_s"] = time.perf_counter() - t0
-    (out / "gpu_quantized.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    (out / "gpu_quantized.md").write_text(markdown(report))
-    print(markdown(report))
-    log(f"wrote {out}/gpu_quantized.json and gpu_quantized.md")
+    finish(out, "gpu_quantized", report, markdown, log, t0)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import json
 import os
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -295,13 +296,15 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", nargs="?", default=os.environ.get("OUT") or "out/gpu_step")
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on a CPU (the kernel interpreted)")
-    ap.add_argument("--budget-s", type=float, default=330.0, help="skip parts that would start after this")
+def begin(description: str, default_out: str, budget_s: float
+          ) -> tuple[argparse.Namespace, Path, Callable[[str], None], float]:
+    """What every prepared GPU script starts with: its arguments (OUT_DIR, --cpu-smoke, --budget-s), the output
+    folder (made), a log that stamps seconds since the start, and that start."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("out", nargs="?", default=os.environ.get("OUT") or default_out)
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on a CPU (kernels interpreted)")
+    ap.add_argument("--budget-s", type=float, default=budget_s, help="skip parts that would start after this")
     args = ap.parse_args()
-    plan = SMOKE if args.cpu_smoke else Plan()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -309,20 +312,33 @@ def main() -> None:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", flush=True)
 
-    device = jax.devices()[0]
-    if device.platform == "cpu" and not args.cpu_smoke:
+    if jax.devices()[0].platform == "cpu" and not args.cpu_smoke:
         log("warning: no accelerator; the figures below measure this CPU")
+    return args, out, log, t0
+
+
+def main() -> None:
+    args, out, log, t0 = begin(__doc__.splitlines()[0], "out/gpu_step", 330.0)
+    plan = SMOKE if args.cpu_smoke else Plan()
+    device = jax.devices()[0]
     report: dict[str, Any] = {"device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
                               "plan": asdict(plan)}
     report["kernel"] = guarded(lambda: kernel_part(plan, log), log)
     report["engine"] = guarded(lambda: engine_part(plan, log, args.budget_s, t0), log)
     parts = [("kernel", report["kernel"]), ("engine", report["engine"]), *report["engine"].items()]
     report["failed"] = [name for name, v in parts if isinstance(v, dict) and "error" in v]
+    finish(out, "gpu_step", report, markdown, log, t0)
+
+
+def finish(out: Path, name: str, report: dict[str, Any], render: Callable[[dict[str, Any]], str],
+           log: Callable[[str], None], t0: float) -> None:
+    """Stamp the elapsed time, write OUT/name.json and OUT/name.md (`render`'s), and print the latter."""
     report["elapsed_s"] = time.perf_counter() - t0
-    (out / "gpu_step.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    (out / "gpu_step.md").write_text(markdown(report))
-    print(markdown(report))
-    log(f"wrote {out}/gpu_step.json and gpu_step.md")
+    (out / f"{name}.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    text = render(report)
+    (out / f"{name}.md").write_text(text)
+    print(text)
+    log(f"wrote {out}/{name}.json and {name}.md")
 
 
 if __name__ == "__main__":
