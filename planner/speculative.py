@@ -75,15 +75,15 @@ def verify_step_s(spec: ModelSpec, hw: Hardware, batch: int, context_len: float,
     row (batch x (k + 1)) instead of one per sequence."""
     shape = verify_shape(batch, context_len, k)
     rows = batch * (k + 1)
+    padded = pad_tokens(shape.num_tokens, token_buckets)
     ops = []
-    for op in op_costs(spec, shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype,
-                       padded_tokens=pad_tokens(shape.num_tokens, token_buckets)):
+    for op in op_costs(spec, shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype, padded_tokens=padded):
         if op.name in (LM_HEAD, "sampling"):
             f = rows / max(shape.num_seqs, 1)
             op = replace(op, flops=op.flops * f, act_bytes=op.act_bytes * f, comm_bytes=op.comm_bytes * f,
                          gemm_rows=op.gemm_rows * f if op.gemm_rows else 0)
         ops.append(op)
-    return time_ops(ops, spec, shape, hw, tp=tp, dtype=dtype).total_s
+    return time_ops(ops, spec, shape, hw, tp=tp, dtype=dtype, padded_tokens=padded).total_s
 
 
 def proposer_s(method: str, hw: Hardware, batch: int, context_len: float, k: int, *,
