@@ -15,7 +15,7 @@ import pytest
 from server_fake_engine import FakeEngine
 from server_helpers import LiveServer, engine_server
 
-from jaxserve.core.engine_config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.structured.tools import check_tools, parse_tool_calls, streamable_prefix, template_messages
 from tests.conftest import TINY_ENGINE_ARGS
 
