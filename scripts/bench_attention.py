@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.model.attention.metadata import AttentionMetadata
-from jaxserve.model.attention.reference import ReferenceAttention, reference_for
-from jaxserve.model.attention.select import select_backend
+from jaxserve.kernels.metadata import AttentionMetadata
+from jaxserve.model.attention.reference import ReferenceAttention
+from jaxserve.platform.attention_choice import reference_for, select_backend
 from modelspec.spec import PRESETS
 
 

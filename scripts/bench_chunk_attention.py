@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from bench_attention import best_time, make_case  # scripts/ is on the path when a script runs
 
-from jaxserve.kernels.cpu.attention_backend import CpuKernelAttention
-from jaxserve.model.attention.metadata import AttentionMetadata
+from jaxserve.kernels.metadata import AttentionMetadata
+from jaxserve.model.attention.cpu_kernel import CpuKernelAttention
 from jaxserve.model.attention.paged_attention import DEFAULT_Q_BLOCKS
 from jaxserve.model.attention.reference import ReferenceAttention
 from modelspec.spec import PRESETS

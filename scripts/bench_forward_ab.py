@@ -6,8 +6,8 @@
     python scripts/bench_forward_ab.py --batch 8 --cpu-matmul-max-rows 32,0
 
 Each variant is one engine (`small`, float32, a 256 MiB KV pool) running `--batch` decodes after 128-token
-prompts; `--eigen-max-rows` sets `jaxserve.model.layers.CPU_EIGEN_MAX_ROWS` while that engine first traces its
-forward (0: every projection goes to XLA's default GEMM); `--cpu-matmul-max-rows` sets
+prompts; `--eigen-max-rows` sets the CPU routes' Eigen rows (`kernel_choice.CPU_XLA_ROUTE`) while that engine
+first traces its forward (0: every projection goes to XLA's default GEMM); `--cpu-matmul-max-rows` sets
 `jaxserve.kernels.cpu.matmul.MAX_ROWS` the same way (0: no projection goes to jaxserve's matmul kernel);
 `--cpu-kernels 0` keeps attention and projections in XLA.
 Rounds alternate the variants, so a machine that
@@ -18,6 +18,7 @@ the median over rounds of each variant's time over the first variant's (robust t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import time
 
@@ -25,17 +26,24 @@ import jax
 import numpy as np
 
 import jaxserve.kernels.cpu.matmul as cpu_matmul
-import jaxserve.model.layers as layers
 from jaxserve.config.engine import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.runner.model_runner import bucket_for
+from jaxserve.platform import kernel_choice
+from jaxserve.runner.buckets import bucket_for
+
+
+def set_transposed_rows(most: int) -> None:
+    """The CPU routes' Eigen rows (2..most, 0: none) for engines built from here on (their policy reads them)."""
+    rows = (2, most) if most >= 2 else None
+    kernel_choice.CPU_XLA_ROUTE = dataclasses.replace(kernel_choice.CPU_XLA_ROUTE, transposed_rows=rows)
+    kernel_choice.CPU_KERNEL_ROUTE = dataclasses.replace(kernel_choice.CPU_KERNEL_ROUTE, transposed_rows=rows)
 
 
 def decode_forward(model: str, batch: int, eigen_max_rows: int, matmul_max_rows: int, token_buckets: tuple[int, ...],
                    kernel: bool):
     """A zero-argument function running one engine's jitted forward on a decode step of `batch` requests."""
-    layers.CPU_EIGEN_MAX_ROWS = eigen_max_rows
+    set_transposed_rows(eigen_max_rows)
     cpu_matmul.MAX_ROWS = matmul_max_rows
     budget = {"max_num_batched_tokens": token_buckets[-1]} if token_buckets else {}
     engine = LLMEngine(EngineConfig(model=model, max_num_seqs=max(32, batch), kv_cache_memory=256 << 20,
@@ -56,10 +64,11 @@ def forward_on_decodes(engine: LLMEngine, batch: int):
     while engine.last_step.num_prefill_tokens:
         engine.step()
     runner, step = engine.runner, engine.scheduler.schedule()
-    packed = runner._device_inputs(step, bucket_for(step.num_tokens, runner.token_buckets))
+    t = bucket_for(step.num_tokens, runner.token_buckets)
+    packed, fn = runner.device_inputs(step, t), runner.forward_fn(t)
 
     def forward():
-        hidden, runner.kv_caches = runner._forward(runner.param_leaves, runner.kv_caches, packed, runner._no_prev)
+        hidden, runner.kv_caches = fn(runner.param_leaves, runner.kv_caches, packed, runner.no_prev)
         return hidden
 
     return forward
@@ -69,7 +78,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="small")
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--eigen-max-rows", default=str(layers.CPU_EIGEN_MAX_ROWS), help="comma-separated variants")
+    ap.add_argument("--eigen-max-rows", default=str(kernel_choice.CPU_XLA_ROUTE.transposed_rows[1]),
+                    help="comma-separated variants")
     ap.add_argument("--cpu-matmul-max-rows", default=str(cpu_matmul.MAX_ROWS), help="comma-separated variants")
     ap.add_argument("--token-buckets", default="", help="';'-separated ladders, each comma-separated; "
                     "empty: the engine's default")

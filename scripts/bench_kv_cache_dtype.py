@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from bench_attention import best_time, make_case  # scripts/ is on the path when a script runs
 
-from jaxserve.model.attention import kv_quant
-from jaxserve.model.attention.select import select_backend
+from jaxserve.kernels import kv_quant
+from jaxserve.platform.attention_choice import select_backend
 from modelspec.spec import PRESETS
 
 KINDS = ("auto", "int8", "fp8")

@@ -27,6 +27,7 @@ from flax import nnx
 
 from jaxserve.kernels.cpu import library as cpu_kernels
 from jaxserve.model.moe import MoE
+from jaxserve.platform.kernel_choice import CPU_KERNEL_ROUTE, CPU_XLA_ROUTE
 from modelspec.spec import PRESETS
 
 
@@ -69,9 +70,9 @@ def main() -> None:
     layer = MoE(spec, jnp.float32, nnx.Rngs(0))
     layer.router.set_value(jnp.eye(h, e, dtype=jnp.float32))
     graphdef, params = nnx.split(layer)
-    grouped = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))  # XLA's dots in a loop over the tiles
+    grouped = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x, CPU_XLA_ROUTE))  # XLA's dots in a loop over the tiles
     # all tiles in one call of the grouped C++ kernel, where the CPU kernels are built
-    kernel = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x, cpu_kernel=True)) if cpu_kernels.available() else None
+    kernel = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x, CPU_KERNEL_ROUTE)) if cpu_kernels.available() else None
 
     def dense(p, x):  # every expert on every token, weighted by the same routing
         m = nnx.merge(graphdef, p)

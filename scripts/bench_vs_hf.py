@@ -157,7 +157,7 @@ def main() -> None:
     rows = []
     llm = LLM(model=args.model, max_num_seqs=max(batches), max_num_batched_tokens=2048, chunk_size=512,
               async_scheduling=args.async_scheduling, cpu_kernels=not args.no_cpu_kernels)
-    plan = llm.engine.runner.kernel_plan
+    plan = llm.engine.runner.ops.matmul.plan
     machine = {"machine_isa": cpu_kernels.machine_isa(), "kernel_variant": args.kernel_variant,
                "kernel_isa": None if args.no_cpu_kernels else cpu_kernels.isa(),
                "kernel_plan": plan.describe() if plan else "XLA only"}

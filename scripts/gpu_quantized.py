@@ -32,7 +32,7 @@ from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxserve.measure.eval.agreement import agreement_counts  # noqa: E402
 from jaxserve.model.dtypes import planner_dtype  # noqa: E402
-from jaxserve.runner.model_runner import bucket_for  # noqa: E402
+from jaxserve.runner.buckets import bucket_for  # noqa: E402
 from modelspec.spec import PRESETS  # noqa: E402
 from planner.hardware import load_hardware  # noqa: E402
 from planner.step_model import decode_shape, op_costs  # noqa: E402

@@ -19,6 +19,7 @@ Writes gpu_step.json and gpu_step.md into OUT_DIR (default: $OUT if set, else ou
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -37,9 +38,9 @@ from jaxserve.config.engine import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.kernels.gpu.ragged_paged_attention import PallasAttention
-from jaxserve.model.attention.metadata import AttentionMetadata
+from jaxserve.kernels.metadata import AttentionMetadata
 from jaxserve.model.attention.reference import ACCELERATOR_TUNING, CPU_TUNING
-from jaxserve.runner.model_runner import bucket_for
+from jaxserve.runner.buckets import bucket_for
 from modelspec.memory import weight_bytes_per_device
 from modelspec.spec import PRESETS
 from planner.hardware import load_hardware
@@ -209,20 +210,22 @@ def forward_part(engine: LLMEngine, plan: Plan) -> dict[str, float]:
     to_decoding(engine, [[j % 200 + 1 for j in range(plan.decode_context)]], params, "f")
     runner = engine.runner
     batch = engine.scheduler.schedule()  # the last act on this engine: the step is laid out, never run
-    packed = runner._device_inputs(batch, bucket_for(batch.num_tokens, runner.token_buckets))
+    t = bucket_for(batch.num_tokens, runner.token_buckets)
+    packed = runner.device_inputs(batch, t)
     out = {}
-    chosen = runner.attention
+    chosen = runner.policy
     reference = CPU_TUNING if plan.interpret else ACCELERATOR_TUNING
-    for name, backend in ((chosen.name, chosen), ("reference", reference)):
-        runner.attention = backend  # read when the forward is traced: a fresh jit for each backend
-        fwd = jax.jit(runner._forward_impl, donate_argnums=(1,))
+    for name, backend in ((chosen.ops.attention.name, chosen.ops.attention), ("reference", reference)):
+        # read when the forward is traced: a fresh jit for each backend
+        runner.policy = dataclasses.replace(chosen, ops=dataclasses.replace(chosen.ops, attention=backend))
+        fwd = runner.forward_fn(t, fresh=True)
 
         def call(fwd=fwd):
-            hidden, runner.kv_caches = fwd(runner.param_leaves, runner.kv_caches, packed, runner._no_prev)
+            hidden, runner.kv_caches = fwd(runner.param_leaves, runner.kv_caches, packed, runner.no_prev)
             return hidden
 
         out[f"{name}_ms"] = 1e3 * median_time(call, plan.steps)
-    runner.attention = chosen
+    runner.policy = chosen
     return out
 
 

@@ -31,16 +31,20 @@ def timed(obj: object, name: str, totals: dict[str, float], label: str | None = 
     """Wrap `obj.name` so that its calls add their wall time to totals[label]; returns the undo."""
     inner = getattr(obj, name)
 
-    def wrapper(*args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            totals[label or name] += time.perf_counter() - t
+    class Timed:
+        """Calls `inner`, timing them; every other attribute is `inner`'s (a sampler's compile count, say)."""
 
-    if hasattr(inner, "_cache_size"):  # a jitted function: the engine counts its compilations
-        wrapper._cache_size = inner._cache_size
-    setattr(obj, name, wrapper)
+        def __call__(self, *args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                totals[label or name] += time.perf_counter() - t
+
+        def __getattr__(self, attr: str):
+            return getattr(inner, attr)
+
+    setattr(obj, name, Timed())
     return lambda: setattr(obj, name, inner)
 
 
@@ -98,18 +102,16 @@ def main() -> None:
         # In call order; a part's time includes the parts it calls (dispatch holds both jitted calls; collect
         # holds the device wait, which is reported apart).
         for obj, name, label in [(engine.scheduler, "schedule", "schedule"),
-                                 (engine, "_sampling_for", "sampling rows"),
-                                 (runner, "_device_inputs", "step inputs"),
+                                 (engine, "sampling_for", "sampling rows"),
+                                 (runner, "device_inputs", "step inputs"),
                                  (runner, "dispatch", "dispatch (inputs + both calls)"),
-                                 (runner, "_forward", "forward call"),
-                                 *([(runner, "_forward_wide", "forward call")]
-                                   if runner._forward_wide is not runner._forward else []),
-                                 (runner, "_sample", "sampler call"),
+                                 (runner, "forward", "forward call"),
+                                 (runner, "sampler", "sampler call"),
                                  (runner, "collect", "collect (less the wait)"),
                                  (engine.scheduler, "update_after_step", "scheduler update"),
                                  (engine.scheduler, "advance_after_dispatch", "scheduler update"),
-                                 (engine, "_postprocess", "post-process (stops, outputs)"),
-                                 (engine, "_record_step", "step stats")]:
+                                 (engine, "emit", "post-process (stops, outputs)"),
+                                 (engine, "record_step", "step stats")]:
             undo.append(timed(obj, name, parts, label))
     t = time.perf_counter()
     for _ in range(args.steps):
@@ -121,14 +123,13 @@ def main() -> None:
 
     batch = engine.scheduler.schedule()
     sampling = SamplingArrays.build([(params, 0, 0)] * batch.num_seqs, runner.sampling_bucket(batch.num_seqs))
-    from jaxserve.runner.model_runner import bucket_for
+    from jaxserve.runner.buckets import bucket_for
 
-    packed = runner._device_inputs(batch, bucket_for(batch.num_tokens, runner.token_buckets))
-    rows = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed, sampling.step,
-            np.bool_(False))
+    t_bucket = bucket_for(batch.num_tokens, runner.token_buckets)
+    packed, fn = runner.device_inputs(batch, t_bucket), runner.forward_fn(t_bucket)
 
     def forward():
-        hidden, runner.kv_caches = runner._forward(runner.param_leaves, runner.kv_caches, packed, runner._no_prev)
+        hidden, runner.kv_caches = fn(runner.param_leaves, runner.kv_caches, packed, runner.no_prev)
         return hidden
 
     hidden = jax.block_until_ready(forward())
@@ -138,11 +139,11 @@ def main() -> None:
     fwd = (time.perf_counter() - t) / args.steps
     t = time.perf_counter()
     for _ in range(args.steps):
-        jax.block_until_ready(runner._sample(runner.param_leaves, hidden, *rows))
+        jax.block_until_ready(runner.sampler(hidden, sampling, batch.requests))
     smp = (time.perf_counter() - t) / args.steps
     t = time.perf_counter()
     for _ in range(args.steps):
-        jax.block_until_ready(runner._sample(runner.param_leaves, forward(), *rows))
+        jax.block_until_ready(runner.sampler(forward(), sampling, batch.requests))
     both = (time.perf_counter() - t) / args.steps
     wait = float(np.mean(waits))
     pool_gib = sum(a.nbytes for a in jax.tree.leaves(runner.kv_caches)) / 2**30

@@ -12,8 +12,9 @@ import numpy as np
 import torch
 from flax import nnx
 
-from jaxserve.model.attention.metadata import AttentionMetadata
+from jaxserve.kernels.metadata import AttentionMetadata
 from jaxserve.model.llama import init_kv_cache
+from jaxserve.platform.policy import default_ops
 from modelspec.spec import ModelSpec
 
 PAGE_SIZE, NUM_PAGES, PAGES_PER_SEQ, T_PAD = 4, 64, 12, 64
@@ -38,13 +39,15 @@ def greedy_paged(model: nnx.Module, spec: ModelSpec, prompts: list[list[int]], n
     Returns the tokens per prompt and the prefill step's logits of the first prompt."""
     graphdef, params = nnx.split(model)
 
+    caches = init_kv_cache(spec, NUM_PAGES, PAGE_SIZE, jnp.float32)
+    ops = default_ops(caches, cpu_kernels=cpu_kernel)
+
     def step(params, caches, ids, pos, meta):
         m = nnx.merge(graphdef, params)
-        hidden, caches = m(ids, pos, caches, meta, cpu_kernel=cpu_kernel)
+        hidden, caches = m(ids, pos, caches, meta, ops)
         return m.compute_logits(hidden), caches
 
     step = jax.jit(step, donate_argnums=1)
-    caches = init_kv_cache(spec, NUM_PAGES, PAGE_SIZE, jnp.float32)
     free = [int(p) for p in np.random.default_rng(0).permutation(np.arange(1, NUM_PAGES))]
     pages = [free[i * PAGES_PER_SEQ:(i + 1) * PAGES_PER_SEQ] for i in range(len(prompts))]
     table = np.zeros((len(prompts), PAGES_PER_SEQ), np.int32)

@@ -143,14 +143,14 @@ if __name__ == "__main__":
         print(json.dumps(run_tp([int(x) for x in rest])))
     elif mode == "tp-batched-decode":  # the reference's accelerator tuning (batched decodes), forced on CPU
         from jaxserve.model.attention.reference import ACCELERATOR_TUNING
-        from jaxserve.runner import model_runner
+        from jaxserve.platform import policy
 
-        model_runner.select_backend = lambda *args, **kwargs: ACCELERATOR_TUNING
+        policy.select_backend = lambda *args, **kwargs: ACCELERATOR_TUNING
         print(json.dumps(run_tp([int(x) for x in rest])))
     elif mode == "tp-async":  # asynchronous scheduling on a mesh, every step overlapped (as on a GPU)
-        import jaxserve.engine.llm_engine
+        import jaxserve.platform.policy
 
-        jaxserve.engine.llm_engine.CPU_OVERLAP_MAX_TOKENS = 10**9
+        jaxserve.platform.policy.CPU_OVERLAP_MAX_TOKENS = 10**9
         print(json.dumps(run_tp([int(x) for x in rest], async_scheduling=True)))
     elif mode == "tp-checkpoint":
         print(json.dumps(run_tp_checkpoint([int(x) for x in rest])))

@@ -2,10 +2,12 @@
 decodes read step k-1's tokens on the device. Nothing a client sees may change: tokens, seeds, stops, prefix
 hits, preemption and aborts behave as in the synchronous engine (the session's `tiny_llm`)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-import jaxserve.engine.llm_engine
+import jaxserve.platform.policy
 from jaxserve import LLM, SamplingParams
 from jaxserve.config.engine import EngineConfig
 from jaxserve.core.batch import is_placeholder
@@ -16,14 +18,22 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(autouse=True)
 def overlap_every_step(monkeypatch):
-    """Overlap wide steps too (on a CPU the engine collects steps wider than CPU_OVERLAP_MAX_TOKENS at once), so
-    the placeholder path runs under every batch these tests make."""
-    monkeypatch.setattr(jaxserve.engine.llm_engine, "CPU_OVERLAP_MAX_TOKENS", 10**9)
+    """Overlap wide steps too (a CPU's platform policy collects steps wider than CPU_OVERLAP_MAX_TOKENS at once),
+    so the placeholder path runs under every batch these tests make: in every engine a test builds."""
+    monkeypatch.setattr(jaxserve.platform.policy, "CPU_OVERLAP_MAX_TOKENS", 10**9)
 
 
 @pytest.fixture(scope="module")
 def async_llm():
-    return LLM(model="tiny", async_scheduling=True, **TINY_ENGINE_ARGS)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(jaxserve.platform.policy, "CPU_OVERLAP_MAX_TOKENS", 10**9)
+        return LLM(model="tiny", async_scheduling=True, **TINY_ENGINE_ARGS)
+
+
+def overlap_up_to(monkeypatch, llm: LLM, tokens: int) -> None:
+    """Within the test, `llm`'s overlapped loop runs steps wider than `tokens` alone (the CPU's rule at 8)."""
+    runner = llm.engine.runner
+    monkeypatch.setattr(runner, "policy", dataclasses.replace(runner.policy, overlap_max_tokens=tokens))
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -33,7 +43,7 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 @pytest.mark.parametrize("overlap_max_tokens", [10**9, 8])  # every step overlapped; the CPU rule
 def test_tokens_match_the_synchronous_engine_in_a_mixed_batch(tiny_llm, async_llm, monkeypatch, overlap_max_tokens):
-    monkeypatch.setattr(jaxserve.engine.llm_engine, "CPU_OVERLAP_MAX_TOKENS", overlap_max_tokens)
+    overlap_up_to(monkeypatch, async_llm, overlap_max_tokens)
     batch = prompts(16, seed=10)
     params = [SamplingParams(temperature=0, max_tokens=1 + i * 3 % 29, ignore_eos=True) if i % 3 else
               SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=20, ignore_eos=True) for i in range(16)]
@@ -87,7 +97,7 @@ def test_abort_while_a_step_is_in_flight_frees_pages_and_the_id_can_be_reused(as
     engine.add_request("neighbour", [9, 8, 7], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     for _ in range(4):
         engine.step()
-    assert engine._flight is not None  # a step is on the device while we abort
+    assert engine.loop.flight is not None  # a step is on the device while we abort
     out = engine.abort_request("flying")
     assert out.finished and out.finish_reason == "abort" and all(t >= 0 for t in out.token_ids)
     engine.add_request("flying", [1, 2, 3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
@@ -109,13 +119,13 @@ def test_nothing_compiles_after_warmup_with_async_scheduling():
 
 
 def test_on_a_cpu_wide_steps_are_collected_at_once_and_narrow_ones_overlap(async_llm, monkeypatch):
-    monkeypatch.setattr(jaxserve.engine.llm_engine, "CPU_OVERLAP_MAX_TOKENS", 8)
+    overlap_up_to(monkeypatch, async_llm, 8)
     engine = async_llm.engine
     engine.add_request("wide", list(range(1, 41)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     engine.step()  # the 40-token prefill: collected in the same call
-    assert engine._flight is None and engine.scheduler.requests["wide"].output_token_ids[0] >= 0
+    assert engine.loop.flight is None and engine.scheduler.requests["wide"].output_token_ids[0] >= 0
     engine.step()  # a one-token decode: left in flight
-    assert engine._flight is not None and is_placeholder(engine.scheduler.requests["wide"].output_token_ids[-1])
+    assert engine.loop.flight is not None and is_placeholder(engine.scheduler.requests["wide"].output_token_ids[-1])
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.kv_manager.num_used_pages == 0
@@ -169,7 +179,7 @@ def test_a_wide_step_after_an_overlapped_one_whose_request_stops(tiny_llm, monke
     """The CPU rule's hand-over: a request stops on a token drawn by an overlapped (narrow) step while the next
     step, wide because a new prompt arrived, already holds it. Every arrival point is tried, each with a fresh
     prompt (a cached one would make the step narrow)."""
-    monkeypatch.setattr(jaxserve.engine.llm_engine, "CPU_OVERLAP_MAX_TOKENS", 8)
+    monkeypatch.setattr(jaxserve.platform.policy, "CPU_OVERLAP_MAX_TOKENS", 8)
     free = tiny_llm.generate([[3, 1, 4, 1, 5]], GREEDY)[0].token_ids
     stopping = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[free[3]])
     expected_a = free[: free.index(free[3]) + 1]

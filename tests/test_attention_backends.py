@@ -3,24 +3,24 @@ an accelerator step whose StableHLO holds no loop bounded by a device-side value
 
 from __future__ import annotations
 
-import re
+import dataclasses
 
 import click
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.cli.engine_flags import config_from_options, engine_options
 from jaxserve.config.engine import ATTENTION_BACKENDS, EngineConfig
-from jaxserve.core.batch import RaggedBatch
-from jaxserve.kernels.cpu.attention_backend import CpuKernelAttention
+from jaxserve.core.batch import empty_batch
 from jaxserve.kernels.gpu.ragged_paged_attention import PallasAttention
+from jaxserve.model.attention.cpu_kernel import CpuKernelAttention
 from jaxserve.model.attention.reference import ACCELERATOR_TUNING, CPU_TUNING
-from jaxserve.model.attention.select import finest_chunk, select_backend
+from jaxserve.platform.attention_choice import finest_chunk, select_backend
 from tests.conftest import TINY_ENGINE_ARGS
+from tests.hlo_checks import dynamic_while_loops
 
 
 def test_auto_picks_per_platform_dtype_and_shape():
@@ -81,21 +81,8 @@ def test_every_backend_gives_the_same_greedy_tokens():
         llm = LLM(model="tiny", attention_backend=name, **args)
         tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert llm.engine.config.attention_backend == {"auto": "cpu"}.get(name, name)
-        assert llm.engine.runner.attention.name == llm.engine.config.attention_backend
+        assert llm.engine.runner.ops.attention.name == llm.engine.config.attention_backend
     assert tokens["pallas"] == tokens["auto"]
-
-
-def dynamic_while_loops(stablehlo: str) -> list[str]:
-    """The `stablehlo.while` ops whose condition compares against no constant of its own: their trip count is a
-    loop-carried (device-side) value, which XLA's GPU runtime reads back to the host every iteration."""
-    out = []
-    for m in re.finditer(r"stablehlo\.while\(.*?cond \{(.*?)\} do \{", stablehlo, re.S):
-        cond = m.group(1)
-        compare = re.search(r"stablehlo\.compare\s+\w+,\s*(%[\w#]+),\s*(%[\w#]+)", cond)
-        constants = set(re.findall(r"(%[\w#]+) = stablehlo\.constant", cond))
-        if compare is None or not constants & set(compare.groups()):
-            out.append(m.group(0)[:200])
-    return out
 
 
 def test_the_loop_detector_tells_static_from_dynamic_bounds():
@@ -107,20 +94,12 @@ def test_the_loop_detector_tells_static_from_dynamic_bounds():
     assert text.count("stablehlo.while") == 2 and len(dynamic_while_loops(text)) == 1
 
 
-def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
-
-
 def lowered_step(runner, backend, num_tokens: int) -> str:
     """The runner's jitted forward body with `backend`, lowered for CUDA from shapes alone (no GPU here)."""
-    runner.attention = backend  # read when the body is traced, as at start-up
-    batch = RaggedBatch(requests=[], num_decodes=0, token_ids=np.zeros(0, np.int32), positions=np.zeros(0, np.int32),
-                        cu_q_lens=np.zeros(1, np.int32), kv_lens=np.zeros(0, np.int32),
-                        page_table=np.zeros((0, 1), np.int32), slot_mapping=np.zeros(0, np.int32),
-                        logits_indices=np.zeros(0, np.int32), samples=np.zeros(0, bool))
-    args = (runner.param_leaves, runner.kv_caches, runner._device_inputs(batch, num_tokens), runner._no_prev)
+    # read when the body is traced, as at start-up
+    runner.policy = dataclasses.replace(runner.policy, ops=dataclasses.replace(runner.ops, attention=backend))
     try:
-        return jax.jit(runner._forward_impl).trace(*_abstract(args)).lower(lowering_platforms=("cuda",)).as_text()
+        return runner.trace_forward(empty_batch(), num_tokens).lower(lowering_platforms=("cuda",)).as_text()
     except Exception as e:  # a jax without the Triton/CUDA lowering rules
         pytest.skip(f"jax cannot lower the step for CUDA here: {type(e).__name__}: {e}")
 

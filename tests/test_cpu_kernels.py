@@ -14,26 +14,25 @@ from pathlib import Path
 
 import click
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from jaxserve import LLM
 from jaxserve.cli.engine_flags import config_from_options, engine_options
+from jaxserve.core.batch import trash_prefill
 from jaxserve.kernels.cpu import attention as cpu_attention
-from jaxserve.kernels.cpu import kernel_choice
 from jaxserve.kernels.cpu import library as cpu_kernels
 from jaxserve.kernels.cpu import matmul as cpu_matmul
 from jaxserve.kernels.cpu.kernel_plan import KernelPlan
-from jaxserve.runner.model_runner import _trash_prefill
+from jaxserve.platform import kernel_choice
+from jaxserve.runner.sampler import SamplingArrays
 from tests.conftest import TINY_ENGINE_ARGS
 
 
 def forward_hlo(llm: LLM, num_tokens: int = 8) -> str:
     runner = llm.engine.runner
-    batch = _trash_prefill(num_tokens, runner.page_size, runner.max_num_seqs, runner.pages_per_seq * runner.page_size)
-    return runner._forward_for(num_tokens).lower(runner.param_leaves, runner.kv_caches,
-                                                 runner._device_inputs(batch, num_tokens), runner._no_prev).as_text()
+    batch = trash_prefill(num_tokens, runner.page_size, runner.max_num_seqs, runner.pages_per_seq * runner.page_size)
+    return runner.lower_forward(batch, num_tokens).as_text()
 
 
 def planned_llm(matmul_rows: range | set[int], head_rows: range | set[int]) -> LLM:
@@ -85,7 +84,7 @@ def test_the_engine_runs_the_matmul_kernel_at_its_plans_row_counts_only():
 
 
 def test_the_engine_measures_its_plan_at_start_up(tiny_llm):
-    plan = tiny_llm.engine.runner.kernel_plan
+    plan = tiny_llm.engine.runner.ops.matmul.plan
     assert plan is not None and plan.isa == cpu_kernels.isa()
     assert plan.matmul_rows <= set(tiny_llm.engine.runner.token_buckets)
 
@@ -93,9 +92,7 @@ def test_the_engine_measures_its_plan_at_start_up(tiny_llm):
 def test_a_tied_lm_head_reads_the_embedding_through_the_kernel(every_row_llm):
     runner = every_row_llm.engine.runner
     rows = jnp.ones((runner.max_sampled, every_row_llm.engine.spec.hidden_size), jnp.float32)
-    f = jnp.zeros(4, jnp.float32)
-    i = jnp.zeros(4, jnp.int32)
-    hlo = runner._sample.plain.lower(runner.param_leaves, rows, f, i, f, f, i, i, np.bool_(False)).as_text()
+    hlo = runner.sampler.lower(rows, SamplingArrays.build([], 4)).as_text()
     assert cpu_matmul.TARGET_NT in hlo
 
 

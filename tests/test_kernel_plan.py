@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxserve.kernels.cpu import kernel_choice
 from jaxserve.kernels.cpu import library as cpu_kernels
 from jaxserve.kernels.cpu import matmul as cpu_matmul
 from jaxserve.kernels.cpu import matmul_int8 as cpu_matmul_int8
@@ -21,6 +20,8 @@ from jaxserve.kernels.cpu.kernel_plan import KernelPlan
 from jaxserve.model.llama import LlamaForCausalLM, linear
 from jaxserve.model.quantize import QuantizedWeight
 from jaxserve.model.quantize_model import quantize_model
+from jaxserve.platform import kernel_choice
+from jaxserve.platform.kernel_choice import CPU_KERNEL_ROUTE
 from modelspec.spec import PRESETS
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="jaxserve's CPU kernels are not built here")
@@ -39,7 +40,8 @@ def test_linear_runs_the_kernel_at_the_plans_row_counts_only():
     w = jnp.ones((64, 96), jnp.float32)
 
     def hlo(rows: int, p: KernelPlan | None) -> str:
-        return jax.jit(lambda x, w: linear(x, w, True, p)).lower(jnp.ones((rows, 64)), w).as_text()
+        route = dataclasses.replace(CPU_KERNEL_ROUTE, plan=p)
+        return jax.jit(lambda x, w: linear(x, w, route)).lower(jnp.ones((rows, 64)), w).as_text()
 
     assert cpu_matmul.TARGET in hlo(4, plan({4})) and cpu_matmul.TARGET not in hlo(8, plan({4}))
     assert cpu_matmul.TARGET in hlo(8, None)  # no plan: every row count the kernel takes
@@ -47,7 +49,8 @@ def test_linear_runs_the_kernel_at_the_plans_row_counts_only():
 
 def test_the_lm_head_runs_the_kernel_at_the_plans_row_counts_only(tiny_model):
     def hlo(rows: int) -> str:
-        f = jax.jit(lambda h: tiny_model.compute_logits(h, cpu_kernel=True, plan=plan({1, 4}, {1})))
+        route = dataclasses.replace(CPU_KERNEL_ROUTE, plan=plan({1, 4}, {1}))
+        f = jax.jit(lambda h: tiny_model.compute_logits(h, route))
         return f.lower(jnp.ones((rows, 64), jnp.float32)).as_text()
 
     assert cpu_matmul.TARGET_NT in hlo(1) and cpu_matmul.TARGET_NT not in hlo(4)
@@ -132,7 +135,8 @@ def test_a_quantized_models_plan_runs_the_int8_kernel_on_one_thread_where_that_w
 
     def hlo(rows: int) -> str:
         w = model.layers[0].mlp.gate_up[...]
-        return jax.jit(lambda x: linear(x, w, True, p)).lower(jnp.ones((rows, w.shape[0]))).as_text()
+        route = dataclasses.replace(CPU_KERNEL_ROUTE, plan=p)
+        return jax.jit(lambda x: linear(x, w, route)).lower(jnp.ones((rows, w.shape[0]))).as_text()
 
     assert "max_threads = 1" in hlo(1) and "max_threads = 0" in hlo(4)
 

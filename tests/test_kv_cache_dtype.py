@@ -19,16 +19,16 @@ from jaxserve.cli.main import cli
 from jaxserve.config.engine import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.tokenizer import load_tokenizer
-from jaxserve.kernels.cpu.attention_backend import CpuKernelAttention
+from jaxserve.kernels import kv_quant
 from jaxserve.kernels.gpu.ragged_paged_attention import PallasAttention
+from jaxserve.kernels.metadata import AttentionMetadata
 from jaxserve.measure.eval.agreement import greedy_agreement
 from jaxserve.measure.eval.perplexity import perplexity
 from jaxserve.measure.eval.windows import read_eval_text
-from jaxserve.model.attention import kv_quant
-from jaxserve.model.attention.metadata import AttentionMetadata
+from jaxserve.model.attention.cpu_kernel import CpuKernelAttention
 from jaxserve.model.attention.paged_attention import write_kv
 from jaxserve.model.attention.reference import ReferenceAttention
-from jaxserve.model.attention.select import select_backend
+from jaxserve.platform.attention_choice import select_backend
 from jaxserve.runner.model_builder import build_model_and_cache
 from modelspec.memory import kv_bytes_per_token, kv_pool_pages
 from modelspec.spec import load_model_spec

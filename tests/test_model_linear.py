@@ -10,8 +10,11 @@ import pytest
 
 from jaxserve.kernels.cpu import library as cpu_kernels
 from jaxserve.kernels.cpu import matmul as cpu_matmul
-from jaxserve.model.llama import CPU_EIGEN_MAX_ROWS, RMSNorm, linear
-from jaxserve.runner.model_runner import CPU_SEPARATE_DOTS_ABOVE, CPU_SEPARATE_DOTS_OPTIONS
+from jaxserve.model.llama import RMSNorm, linear
+from jaxserve.platform.kernel_choice import CPU_KERNEL_ROUTE, CPU_XLA_ROUTE
+from jaxserve.platform.policy import CPU_SEPARATE_DOTS_ABOVE, CPU_SEPARATE_DOTS_OPTIONS
+
+CPU_EIGEN_MAX_ROWS = CPU_XLA_ROUTE.transposed_rows[1]
 
 
 @pytest.mark.parametrize("rows", [1, 2, CPU_EIGEN_MAX_ROWS, CPU_EIGEN_MAX_ROWS + 8, 64])
@@ -71,7 +74,7 @@ def test_linear_gives_the_kernel_few_rows_and_whole_vectors_only() -> None:
     w = jnp.ones((64, 96), jnp.float32)
 
     def hlo(rows: int, w: jax.Array = w) -> str:
-        return jax.jit(lambda x, w: linear(x, w, cpu_kernel=True)).lower(jnp.ones((rows, 64)), w).as_text()
+        return jax.jit(lambda x, w: linear(x, w, CPU_KERNEL_ROUTE)).lower(jnp.ones((rows, 64)), w).as_text()
 
     assert cpu_matmul.TARGET in hlo(1) and cpu_matmul.TARGET in hlo(cpu_matmul.MAX_ROWS)
     assert cpu_matmul.TARGET not in hlo(cpu_matmul.MAX_ROWS + 1)
@@ -84,7 +87,8 @@ def test_a_few_rows_are_kept_away_from_ynnpack_on_cpu() -> None:
     w = jnp.ones((256, 512), jnp.float32)
 
     def compiled(rows: int) -> str:
-        return jax.jit(linear).lower(jnp.ones((rows, 256), jnp.float32), w).compile().as_text()
+        f = jax.jit(lambda x, w: linear(x, w, CPU_XLA_ROUTE))
+        return f.lower(jnp.ones((rows, 256), jnp.float32), w).compile().as_text()
 
     if "__ynn_fusion" not in compiled(64):
         pytest.skip("this XLA does not hand dots to YNNPACK")
@@ -103,7 +107,7 @@ def test_wide_steps_keep_each_norm_out_of_the_next_dot_on_cpu() -> None:
     def step(x: jax.Array, w: jax.Array) -> jax.Array:
         return linear(norm(x), w)
 
-    text = jax.jit(step, compiler_options=CPU_SEPARATE_DOTS_OPTIONS).lower(x, w).compile().as_text()
+    text = jax.jit(step, compiler_options=dict(CPU_SEPARATE_DOTS_OPTIONS)).lower(x, w).compile().as_text()
     if "__ynn_fusion" not in text:
         pytest.skip("this XLA does not hand dots to YNNPACK")
     computations = text.split("\n\n")

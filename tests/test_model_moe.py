@@ -21,12 +21,12 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.kernels.cpu import kernel_choice
+from jaxserve.core.batch import trash_prefill
 from jaxserve.kernels.cpu import library as cpu_kernels
 from jaxserve.kernels.cpu import matmul as cpu_matmul
 from jaxserve.kernels.cpu.kernel_plan import KernelPlan
 from jaxserve.model.moe import grouped_experts, route, tile_rows
-from jaxserve.runner.model_runner import _trash_prefill
+from jaxserve.platform import kernel_choice
 from tests.conftest import TINY_ENGINE_ARGS
 
 torch = pytest.importorskip("torch")
@@ -180,9 +180,8 @@ def test_an_moe_engine_runs_its_experts_in_the_grouped_kernel_at_its_plans_step_
         llm = LLM(model="tiny-moe", **TINY_ENGINE_ARGS, warmup=False)
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         runner = llm.engine.runner
-        batch = _trash_prefill(4, runner.page_size, runner.max_num_seqs, runner.pages_per_seq * runner.page_size)
-        hlo = runner._forward_for(4).lower(runner.param_leaves, runner.kv_caches, runner._device_inputs(batch, 4),
-                                           runner._no_prev).as_text()
+        batch = trash_prefill(4, runner.page_size, runner.max_num_seqs, runner.pages_per_seq * runner.page_size)
+        hlo = runner.lower_forward(batch, 4).as_text()
         return tokens, hlo
 
     in_kernel, hlo = run(set(range(1, 65)))

@@ -17,9 +17,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxserve.model.attention.metadata import AttentionMetadata  # noqa: E402
+from jaxserve.kernels.metadata import AttentionMetadata  # noqa: E402
 from jaxserve.model.llama import init_kv_cache  # noqa: E402
 from jaxserve.model.weights import load_hf_checkpoint  # noqa: E402
+from jaxserve.platform.policy import default_ops  # noqa: E402
 from modelspec.spec import load_model_spec  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
@@ -89,7 +90,7 @@ class Compiled:
 
     def _step(self, params, caches, ids, pos, meta):
         model = nnx.merge(self.graphdef, params)
-        hidden, caches = model(ids, pos, caches, meta)
+        hidden, caches = model(ids, pos, caches, meta, default_ops(caches))  # what auto picks here
         return model.compute_logits(hidden), caches
 
 

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxserve.kernels.cpu import library as cpu_kernels
-from jaxserve.kernels.cpu.attention_backend import CpuKernelAttention
-from jaxserve.model.attention.metadata import AttentionMetadata
+from jaxserve.kernels.metadata import AttentionMetadata
+from jaxserve.model.attention.cpu_kernel import CpuKernelAttention
 from jaxserve.model.attention.paged_attention import (
     DEFAULT_Q_BLOCKS,
     _block_sizes,

@@ -24,6 +24,7 @@ from jaxserve.model.layers import linear
 from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.quantize import QuantizedWeight, param_bytes, quantize_int8
 from jaxserve.model.quantize_model import quantize_model
+from jaxserve.platform.kernel_choice import CPU_KERNEL_ROUTE
 from modelspec.spec import load_model_spec
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)  # test_compressed_tensors uses it
@@ -54,9 +55,9 @@ def test_the_int8_cpu_kernel_equals_the_dequantized_matmul(rows):
     x = jax.random.normal(jax.random.key(3), (rows, 96))
     qw = quantize_int8(jax.random.normal(jax.random.key(4), (96, 2, 64)))
     assert cpu_matmul_int8.supports(x, qw.q)
-    hlo = jax.jit(lambda x, w: linear(x, w, cpu_kernel=True)).lower(x, qw).as_text()
+    hlo = jax.jit(lambda x, w: linear(x, w, CPU_KERNEL_ROUTE)).lower(x, qw).as_text()
     assert cpu_matmul_int8.TARGET in hlo  # the kernel, not XLA's dot over converted codes
-    got = jax.jit(lambda x, w: linear(x, w, cpu_kernel=True))(x, qw)
+    got = jax.jit(lambda x, w: linear(x, w, CPU_KERNEL_ROUTE))(x, qw)
     np.testing.assert_allclose(got, jnp.einsum("tk,kab->tab", x, qw.dequantize()), rtol=1e-4, atol=1e-4)
 
 

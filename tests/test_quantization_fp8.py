@@ -21,6 +21,7 @@ from jaxserve.model.layers import linear
 from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.quantize import QuantizedWeight, model_quantization, param_bytes, quantize_fp8, quantize_int8
 from jaxserve.model.quantize_model import quantize_model
+from jaxserve.platform.kernel_choice import CPU_KERNEL_ROUTE
 from modelspec.spec import load_model_spec
 from tests.test_quantization import ENGINE, hf_folder  # noqa: F401 (a fixture)
 
@@ -42,7 +43,7 @@ def test_fp8_linear_is_xla_on_the_codes_even_with_the_cpu_kernels():
     x = jax.random.normal(jax.random.key(1), (5, 64))
     qw = quantize_fp8(jax.random.normal(jax.random.key(2), (64, 2, 32)))
     assert not cpu_matmul_int8.supports(x, qw.q)  # the int8 kernel takes int8 codes only
-    f = jax.jit(lambda x, w: linear(x, w, cpu_kernel=True))
+    f = jax.jit(lambda x, w: linear(x, w, CPU_KERNEL_ROUTE))
     hlo = f.lower(x, qw).as_text()
     assert "tensor<64x2x32xf8E4M3FN>" in hlo and cpu_matmul_int8.TARGET not in hlo
     np.testing.assert_allclose(f(x, qw), jnp.einsum("tk,kab->tab", x, qw.dequantize()), rtol=1e-5, atol=1e-5)
@@ -57,7 +58,7 @@ def test_a_cpu_step_holds_one_float_copy_of_a_weight_at_a_time(quantize):
 
     def chain(x, ws):
         for w in ws:
-            x = jnp.tanh(linear(x, w, cpu_kernel=True))[:, :256]
+            x = jnp.tanh(linear(x, w, CPU_KERNEL_ROUTE))[:, :256]
         return x
 
     temp = jax.jit(chain).lower(jnp.ones((64, 256)), ws).compile().memory_analysis().temp_size_in_bytes

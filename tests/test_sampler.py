@@ -6,16 +6,16 @@ import numpy as np
 import pytest
 
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.runner.sampler import SamplingArrays, sample_tokens
+from jaxserve.runner.sampler import TIERS, SamplingArrays, tier_for
+from jaxserve.runner.sampling import filter_threshold_search, filter_threshold_sort, sample_tokens
 
-sample = jax.jit(sample_tokens)
 
-
-def draw(logits: np.ndarray, rows: list[tuple[SamplingParams, int, int]]):
+def draw(logits: np.ndarray, rows: list[tuple[SamplingParams, int, int]], cut: str = "search"):
+    """What the engine's sampler draws for these rows: the tier the host picks for them, the CPU's cut."""
     a = SamplingArrays.build(rows, len(rows))
-    out = sample(np.asarray(logits, np.float32), a.temperature, a.top_k, a.top_p, a.min_p, a.seed, a.step,
-                 np.bool_(a.want_logprobs))
-    return [np.asarray(x) for x in out]
+    how, want_top, _ = TIERS[tier_for(a)]
+    sample = jax.jit(lambda *x: sample_tokens(*x, draw=how, want_top=want_top, cut=cut))
+    return [np.asarray(x) for x in sample(np.asarray(logits, np.float32), *a.rows())]
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +94,6 @@ def test_logprobs_are_of_the_model_distribution(logits):
 def test_the_cpu_search_cuts_where_the_sort_does(vocab):
     """The sort-free filter (CPU) keeps the sort's tokens: exactly for top-k and min-p; for top-p up to float
     rounding of the cumulative mass, which moves only tokens of negligible probability."""
-    from jaxserve.runner.sampler import _filter_threshold, _filter_threshold_search
-
     rng = np.random.default_rng(vocab)
     for _ in range(10):
         x = rng.standard_normal((6, vocab), dtype=np.float32) * rng.uniform(0.2, 5)
@@ -103,7 +101,7 @@ def test_the_cpu_search_cuts_where_the_sort_does(vocab):
         top_p = np.array([1.0, 1.0, 1.0, 0.9, 0.5, 0.7], np.float32)
         min_p = np.array([0.1, 0.0, 0.0, 0.0, 0.0, 0.05], np.float32)
         cuts = [np.asarray(jax.jit(f)(jnp.asarray(x), top_k, top_p, min_p))
-                for f in (_filter_threshold, _filter_threshold_search)]
+                for f in (filter_threshold_sort, filter_threshold_search)]
         kept_sort, kept_search = (x >= c[:, None] for c in cuts)
         np.testing.assert_array_equal(kept_sort[:3], kept_search[:3])  # min-p, top-k 1 and 3: no sums involved
         prob = np.exp(x - x.max(-1, keepdims=True))
@@ -111,3 +109,21 @@ def test_the_cpu_search_cuts_where_the_sort_does(vocab):
         moved = np.where(kept_sort != kept_search, prob, 0.0).sum(-1)
         assert (moved < 1e-4).all(), moved
         assert kept_search.any(-1).all()
+
+
+def test_the_tier_is_the_cheapest_that_serves_every_row():
+    greedy, lp = SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=1)
+    hot, cut = SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, top_p=0.9)
+    tier = lambda *ps: tier_for(SamplingArrays.build([(p, 0, 0) for p in ps], 4))  # noqa: E731
+    assert tier(greedy, greedy) == "greedy"
+    assert tier(greedy, lp) == "greedy_top"
+    assert tier(greedy, hot) == "sample"
+    assert tier(hot, cut, greedy) == "cut"
+    assert tier_for(SamplingArrays.build([(greedy, 0, 0)], 4), processed=True) == "processed"
+    assert tier(SamplingParams(temperature=0, top_p=0.5)) == "greedy"  # a greedy row's filters do nothing
+
+
+@pytest.mark.parametrize("cut", ["sort", "search"])
+def test_both_cuts_draw_the_same_tokens(logits, cut):
+    rows = [(SamplingParams(temperature=0.9, top_k=5, top_p=0.8, min_p=0.05), s, 3) for s in range(4)]
+    np.testing.assert_array_equal(draw(logits, rows, cut)[0], draw(logits, rows, "sort")[0])

@@ -3,7 +3,7 @@
 import pytest
 
 from jaxserve.config.engine import EngineConfig
-from jaxserve.runner.model_runner import bucket_for, default_token_ladder, half_octave_ladder, power_of_two_ladder
+from jaxserve.runner.buckets import bucket_for, default_token_ladder, half_octave_ladder, power_of_two_ladder
 
 
 @pytest.mark.parametrize("limit", [1, 50, 128, 300, 512, 2048, 8192])

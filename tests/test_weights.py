@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxserve.model.attention.metadata import AttentionMetadata
+from jaxserve.kernels.metadata import AttentionMetadata
 from jaxserve.model.checkpoint import (
     convert,
     is_converted,
@@ -23,6 +23,7 @@ from jaxserve.model.checkpoint import (
 from jaxserve.model.dtypes import resolve_dtype
 from jaxserve.model.llama import LlamaForCausalLM, init_kv_cache, kv_cache_bytes
 from jaxserve.model.weights import CheckpointError, partition_spec
+from jaxserve.platform.policy import default_dtype, default_ops
 from modelspec.memory import kv_bytes_per_token
 from modelspec.spec import PRESETS, ModelSpecError, load_model_spec
 
@@ -127,8 +128,10 @@ def test_kv_cache_bytes_match_planner():
 
 
 def test_resolve_dtype():
-    assert resolve_dtype("auto", "cpu") == jnp.float32
-    assert resolve_dtype("auto", "gpu") == jnp.bfloat16 == resolve_dtype("auto", "tpu")
+    assert default_dtype("cpu") == jnp.float32
+    assert default_dtype("gpu") == jnp.bfloat16 == default_dtype("tpu")
+    with pytest.raises(ValueError, match="depends on the device"):
+        resolve_dtype("auto")
     assert resolve_dtype("bf16") == jnp.bfloat16 and resolve_dtype("float32") == jnp.float32
 
 
@@ -148,7 +151,8 @@ def test_synthetic_init_is_seeded_and_not_degenerate():
         meta = AttentionMetadata(slot_mapping=slots, cu_q_lens=jnp.stack([0, length]).astype(jnp.int32),
                                  kv_lens=length[None], page_table=jnp.arange(1, 12, dtype=jnp.int32)[None],
                                  num_seqs=jnp.int32(1), num_decodes=jnp.int32(0))
-        hidden, _ = model(ids, pos, init_kv_cache(TINY, 12, 4), meta)
+        caches = init_kv_cache(TINY, 12, 4)
+        hidden, _ = model(ids, pos, caches, meta, default_ops(caches))
         return model.compute_logits(hidden[length - 1][None])[0]
 
     ids = [256, *b"Once upon a time"]

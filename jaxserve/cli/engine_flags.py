@@ -64,8 +64,9 @@ _OPTIONS = [
     click.option("--max-model-len", type=click.IntRange(min=1), default=None),
     click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True),
     click.option("--scheduling-policy", type=click.Choice(["fcfs", "lpm"]), default="fcfs", show_default=True),
-    click.option("--async-scheduling/--no-async-scheduling", default=False, show_default=True,
-                 help="Schedule step k+1 while step k runs on the device (host work overlaps the device)."),
+    click.option("--async-scheduling/--no-async-scheduling", default=None,
+                 help="Schedule step k+1 while step k runs on the device (host work overlaps the device). Default: "
+                      "the device's (on an accelerator, on; on a CPU, off)."),
     click.option("--num-scheduler-steps", default=EngineConfig.num_scheduler_steps, show_default=True,
                  type=click.IntRange(min=1),
                  help="Decode steps per dispatch while every running request decodes (stops checked on the device)."),

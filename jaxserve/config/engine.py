@@ -37,8 +37,9 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
-    # The host schedules step k+1 while step k runs (see engine.py); single-process colocated engines only.
-    async_scheduling: bool = False
+    # The host schedules step k+1 while step k runs (engine/loops/overlapped.py); single-process colocated engines
+    # only. None: the platform policy's default for the device (resolved when the engine starts).
+    async_scheduling: bool | None = None
     # Decode steps per dispatch when every running request decodes (vLLM's --num-scheduler-steps).
     num_scheduler_steps: int = 1
     # vLLM's --speculative-config (a JSON string or dict on the way in, a SpeculativeConfig after __post_init__).
@@ -124,6 +125,12 @@ class EngineConfig:
                              "disaggregate, whose transfers move float pages, or num_processes > 1)")
         if self.scheduling_policy not in ("fcfs", "lpm"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}")
+
+    @property
+    def supports_async_scheduling(self) -> bool:
+        """Whether this configuration can run the overlapped loop (see the checks in `__post_init__`)."""
+        return not (self.disaggregate or self.num_processes > 1 or self.num_scheduler_steps > 1
+                    or self.speculative_config)
 
     @property
     def model_name(self) -> str:

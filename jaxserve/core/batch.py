@@ -101,6 +101,41 @@ def build_ragged_batch(scheduled: list[tuple[Request, int]], num_decodes: int, p
                        samples=kv_lens - drafts == own, num_drafts=drafts)
 
 
+def empty_batch() -> RaggedBatch:
+    """A batch of no sequences (warm-up compiles a bucket on it)."""
+    z = np.zeros(0, np.int32)
+    return RaggedBatch(requests=[], num_decodes=0, token_ids=z, positions=z, cu_q_lens=np.zeros(1, np.int32),
+                       kv_lens=z, page_table=np.zeros((0, 1), np.int32), slot_mapping=z, logits_indices=z,
+                       samples=np.zeros(0, bool))
+
+
+def trash_prefill(num_tokens: int, page_size: int, max_seqs: int = 1, max_len: int = 0,
+                  q_blocks: tuple[int, ...] = (1,), warm_history: int = 0) -> RaggedBatch:
+    """Warm-up work whose KV all lives in the trash page 0.
+
+    One decode, a prefill chunk for each of the smaller sizes of `q_blocks` (the attention backend's, largest
+    first) and one prefill of the rest (as many as `max_seqs` and `num_tokens` allow), all after a history of up
+    to warm_history tokens that fits in `max_len`: the loops of the bucket's attention run once (decode blocks,
+    query blocks, masked and unmasked KV blocks). A loop's first run costs extra (its buffers, its threads),
+    which would otherwise land on a request.
+    """
+    history = max(0, min(warm_history, max_len - num_tokens))
+    q_lens = [num_tokens]
+    for first in (1, *sorted(q_blocks[1:])):
+        if len(q_lens) < max_seqs and q_lens[-1] > first:
+            q_lens[-1:] = [first, q_lens[-1] - first]
+    decodes = int(len(q_lens) > 1)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    positions = np.concatenate([history + np.arange(q) for q in q_lens]).astype(np.int32)
+    n = len(q_lens)
+    return RaggedBatch(requests=[None] * n, num_decodes=decodes,  # type: ignore[list-item]
+                       token_ids=np.zeros(num_tokens, np.int32), positions=positions, cu_q_lens=cu,
+                       kv_lens=np.array([history + q for q in q_lens], np.int32),
+                       page_table=np.zeros((n, 1), np.int32),
+                       slot_mapping=np.arange(num_tokens, dtype=np.int32) % page_size,
+                       logits_indices=cu[1:] - 1, samples=np.ones(n, bool))
+
+
 def _token_slice(req: Request, start: int, end: int) -> list[int]:
     """req.all_token_ids[start:end] without concatenating the whole prompt and output."""
     p = len(req.prompt_token_ids)

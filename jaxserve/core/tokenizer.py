@@ -160,6 +160,14 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def piece(self, token_id: int) -> str | None:
+        """The vocabulary's piece (string form) of a token id, None for an id outside it."""
+        return self._tok.id_to_token(token_id)
+
+    def to_json(self) -> str:
+        """The whole tokenizer as the `tokenizers` library's JSON (tokenizer.json)."""
+        return self._tok.to_str()
+
     def _template_vars(self) -> dict[str, Any]:
         return {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
 

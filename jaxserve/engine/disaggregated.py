@@ -37,7 +37,7 @@ from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.pool_stats import POOL_COUNTERS, PoolStep, ReadyStamp, pool_rates
-from jaxserve.runner.model_runner import power_of_two_ladder
+from jaxserve.runner.buckets import power_of_two_ladder
 from jaxserve.runner.sampler import SamplingArrays
 from jaxserve.scheduler.scheduler import Scheduler
 
@@ -201,7 +201,7 @@ class DisaggregatedEngine(LLMEngine):
         self.counters["num_preemptions"] += stats.num_preemptions
         if batch is None:
             return
-        sampling = self._sampling_for(batch, self.prefill.runner)
+        sampling = self.sampling_for(batch, self.prefill.runner)
         pending = self.prefill.runner.dispatch(batch, sampling)
         self._inflight = _InFlight(batch, sampling, pending, start, ReadyStamp(pending))
 

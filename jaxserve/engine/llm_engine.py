@@ -1,13 +1,10 @@
-"""The synchronous engine: schedule -> run one step -> sample -> check stops -> outputs.
+"""The engine: requests in, outputs out; each `step()` is one step of the loop chosen at start-up.
 
-`LLMEngine.step()` is the whole serving loop body; `LLM` drives it to completion for a batch of prompts and
-`AsyncEngine` drives it from a background thread for streaming clients.
-
-With `async_scheduling` the host runs one step ahead of the device (vLLM's async scheduling, SGLang's overlap
-scheduler): each `step()` schedules and dispatches step k, whose decodes read step k-1's tokens on the device
-through placeholders, and only then waits for step k-1 and turns its tokens into outputs. Scheduling, batch
-layout and stop checks overlap the device instead of adding to every step. A request that stops at step k-1 has
-computed one wasted token in step k, which is dropped.
+`LLMEngine` owns the model runner, the KV cache manager, the scheduler and each request's host state (seed, stop
+checker, logprobs). How steps run is a strategy (jaxserve/engine/loops/): synchronous, overlapped (asynchronous
+scheduling), k decode steps a dispatch, or speculative; a loop uses only the engine's public operations
+(`sampling_for`, `prompt_rows`, `emit`, `record_step`, `seed_of`). `LLM` drives the engine to completion for a batch
+of prompts and `AsyncEngine` drives it from a background thread for streaming clients.
 """
 
 from __future__ import annotations
@@ -16,9 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-import jax
 import numpy as np
 
 from jaxserve.config.engine import EngineConfig
@@ -29,33 +24,19 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.stops import StopChecker
 from jaxserve.core.tokenizer import load_tokenizer
 from jaxserve.core.validation import encode_prompt, resolve_max_tokens
-from jaxserve.runner.decode_run import DecodeRun, DecodeRunner, can_run_on_device
+from jaxserve.engine.loops import choose_loop
+from jaxserve.platform.policy import choose_policy
+from jaxserve.runner.buckets import default_token_ladder, power_of_two_ladder
 from jaxserve.runner.logits_processing import prepare_request
 from jaxserve.runner.model_builder import build_model_and_cache
-from jaxserve.runner.model_runner import ModelRunner, StepResult, default_token_ladder, power_of_two_ladder
-from jaxserve.runner.prompt_logprobs import PromptLogprobs, PromptRows, plan_rows, record
+from jaxserve.runner.model_runner import ModelRunner, StepResult
+from jaxserve.runner.prompt_logprobs import PromptLogprobs, PromptRows, plan_rows
 from jaxserve.runner.sampler import SamplingArrays
 from jaxserve.scheduler.kv_cache_manager import KVCacheManager
 from jaxserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from jaxserve.spec_decode.step import SpeculativeDecoder, spec_k, spec_metrics
 from modelspec.spec import load_model_spec
 
 log = logging.getLogger("jaxserve")
-
-# On a CPU the host shares cores with XLA: host work beside a wide step (whose matmuls run on every core) slows it
-# more than the overlap saves, so wider CPU steps run alone, as in the synchronous loop; see docs/tuning.md.
-CPU_OVERLAP_MAX_TOKENS = 8
-
-
-@dataclass
-class _Flight:
-    """A dispatched step not yet collected (asynchronous scheduling)."""
-
-    batch: RaggedBatch
-    sampling: SamplingArrays
-    pending: Any
-    placeholders: list[tuple[Request, int, int]] = field(default_factory=list)
-    prompt_rows: tuple[PromptRows | None, dict[int, PromptLogprobs]] = (None, {})
 
 
 @dataclass
@@ -86,14 +67,18 @@ class LLMEngine:
         self.dtype = built.dtype
         token_buckets = config.token_buckets or default_token_ladder(config.max_num_batched_tokens)
         seq_buckets = config.seq_buckets or power_of_two_ladder(config.max_num_seqs)
-        self.runner = ModelRunner(built.model, built.kv_caches, page_size=config.page_size,
+        self.policy = choose_policy(built.model, built.kv_caches, attention_backend=config.attention_backend,
+                                    cpu_kernels=config.cpu_kernels, token_buckets=token_buckets,
+                                    seq_buckets=seq_buckets)
+        spec_k = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
+        self.runner = ModelRunner(built.model, built.kv_caches, self.policy, page_size=config.page_size,
                                   max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
-                                  token_buckets=token_buckets, seq_buckets=seq_buckets,
-                                  cpu_kernels=config.cpu_kernels, attention_backend=config.attention_backend,
-                                  max_logits_rows=config.max_num_seqs * (1 + spec_k(config)))
-        config.attention_backend = self.runner.attention.name  # what "auto" resolved to, for /version
-        log.info("attention backend: %s (%s), KV cache %s", self.runner.attention.name, self.runner.attention,
-                 config.kv_cache_dtype)
+                                  token_buckets=self.policy.token_buckets(token_buckets), seq_buckets=seq_buckets,
+                                  max_logits_rows=config.max_num_seqs * (1 + spec_k))
+        config.attention_backend = self.policy.ops.attention.name  # what "auto" resolved to, for /version
+        if config.async_scheduling is None:  # unset: the platform's default loop
+            config.async_scheduling = self.policy.async_by_default and config.supports_async_scheduling
+        log.info("%s; KV cache %s", self.policy.describe(), config.kv_cache_dtype)
         self.kv_manager = KVCacheManager(num_pages=self.num_pages, page_size=config.page_size,
                                          enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -106,16 +91,11 @@ class LLMEngine:
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_preemptions": 0,
                          "prefix_cache_queries": 0, "prefix_cache_hits": 0, "steps": 0}
         self.last_step: StepStats | None = None
-        self._flight: _Flight | None = None
-        self.decode_runner = (DecodeRunner(self.runner, config.num_scheduler_steps)
-                              if config.num_scheduler_steps > 1 else None)
-        self.spec_decoder = (SpeculativeDecoder(self, config.speculative_config, self.spec, self.num_pages)
-                             if config.speculative_config else None)
+        self.loop = choose_loop(self)
+        log.info("step loop: %s", self.loop.name)
         if config.warmup:
             self.runner.warmup()
-            for extra in (self.decode_runner, self.spec_decoder):
-                if extra is not None:
-                    extra.warmup()
+            self.loop.warmup()
 
     # Submission ----------------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -136,8 +116,7 @@ class LLMEngine:
         max_tokens = self.resolve_max_tokens(len(ids), params)
         if params.prompt_logprobs is not None and (not self.supports_prompt_logprobs or self.runner.step_hook):
             raise ValueError("prompt_logprobs is not supported by a disaggregated or multi-host engine")
-        if self.spec_decoder is not None:
-            self.spec_decoder.check(params)
+        self.loop.check(params)
         req = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
                       arrival_time=self.clock() if arrival_time is None else arrival_time,
                       eos_token_id=self._eos_token_id(), cache_salt=cache_salt, max_tokens=max_tokens)
@@ -173,178 +152,64 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._tracked)
 
-    # The loop body -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; return an output for every request that drew a token or finished.
-
-        With asynchronous scheduling the outputs are those of the step dispatched by the previous call.
-        """
-        if self.config.async_scheduling:
-            return self._step_async()
-        if self.spec_decoder is not None:  # speculative decoding: synchronous one-step dispatches
-            return self.spec_decoder.step(self.clock())
-        start = self.clock()
-        if self.decode_runner is not None and can_run_on_device(self.scheduler.running):
-            run = self.scheduler.schedule_decode_run(self.decode_runner.k)
-            if run is not None:
-                return self._step_decode_run(*run, start)
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        sampling = self._sampling_for(batch, self.runner)
-        compiles = self.runner.compile_count()
-        rows, lists = self._prompt_rows(batch)
-        result = self.runner.collect(self.runner.dispatch(batch, sampling, prompt_rows=rows), batch, sampling)
-        compiled = self.runner.compile_count() > compiles
-        if rows is not None:
-            record(rows, result.prompt_logprobs, batch, lists)
-        sampled = np.where(batch.samples, result.tokens, -1)
-        self.scheduler.update_after_step(batch, sampled)
-        now = self.clock()
-        outputs = []
-        for s, req in enumerate(batch.requests):
-            if not batch.samples[s]:
-                continue
-            tracked = self._tracked[req.request_id]
-            try:
-                outputs.append(self._postprocess(tracked, result, s, now))
-            except Exception as e:  # one request's failure (e.g. detokenizing) must not stop the others
-                log.exception("request %s failed", req.request_id)
-                outputs.append(self._fail(tracked, f"internal error: {type(e).__name__}: {e}"))
-        self._record_step(batch, start, compiled)
-        return outputs
-
-    def _step_decode_run(self, batch: RaggedBatch, limits: list[int], start: float) -> list[RequestOutput]:
-        """Up to k decode steps in one dispatch; each sequence's tokens past its stop (or a stop string) dropped."""
-        sampling = self._sampling_for(batch, self.runner)
-        compiles = self.compile_count()
-        run = DecodeRun.build(batch, limits, self.decode_runner.k, self.config.page_size)
-        drawn, logprobs = self.decode_runner.execute(batch, sampling, run)
-        compiled = self.compile_count() > compiles
-        now = self.clock()
-        outputs = []
-        for s, req in enumerate(batch.requests):
-            tracked = self._tracked[req.request_id]
-            for j in range(limits[s]):
-                self.scheduler.record_token(req, drawn[j, s])
-                try:
-                    out = self._postprocess(tracked, StepResult(drawn[j], logprobs[j], None, None), s, now)
-                except Exception as e:  # one request's failure (e.g. detokenizing) must not stop the others
-                    log.exception("request %s failed", req.request_id)
-                    out = self._fail(tracked, f"internal error: {type(e).__name__}: {e}")
-                if out.finished:
-                    break
-            outputs.append(out)
-        self._record_step(batch, start, compiled)
-        return outputs
+        """Run one step of the engine's loop; return an output for every request that drew a token or finished
+        (with the overlapped loop, those of the step dispatched by the previous call)."""
+        return self.loop.step()
 
     def compile_count(self) -> int:
         """Compiled variants of every step function so far (none after warm-up)."""
-        extras = (self.decode_runner, self.spec_decoder)
-        return self.runner.compile_count() + sum(x.compile_count() for x in extras if x is not None)
+        return self.runner.compile_count() + self.loop.compile_count()
 
-    def _step_async(self) -> list[RequestOutput]:
-        """Dispatch step k (its decodes read step k-1's tokens on the device), then collect step k-1.
-
-        A wide step on a CPU runs without overlap: step k-1 is collected first and step k at once.
-        """
-        start = self.clock()
-        batch = self.scheduler.schedule()
-        prev, outputs, self._flight = self._flight, [], None
-        if batch is None:
-            return self._collect_flight(prev) if prev is not None else []
-        sampling = self._sampling_for(batch, self.runner)  # before any collect finishes a request of `batch`
-        overlap = self.runner.platform != "cpu" or batch.num_tokens <= CPU_OVERLAP_MAX_TOKENS
-        # Logits processing (penalties, bans) reads each row's newest token: the step waits for the one before.
-        overlap = overlap and not any(r.sampling_params.needs_processing for r in batch.requests)
-        if prev is not None and not overlap:
-            outputs = self._collect_flight(prev)
-        compiles = self.runner.compile_count()
-        rows, lists = self._prompt_rows(batch)
-        flight = _Flight(batch, sampling, self.runner.dispatch(batch, sampling, prev.pending if prev else None, rows),
-                         prompt_rows=(rows, lists))
-        compiled = self.runner.compile_count() > compiles
-        if prev is not None and overlap:
-            outputs = self._collect_flight(prev)
-        if not overlap:
-            jax.block_until_ready(flight.pending)  # no host work while a wide step runs on every core
-        flight.placeholders = self.scheduler.advance_after_dispatch(batch)
-        if overlap:
-            self._flight = flight
-        else:
-            outputs += self._collect_flight(flight)
-        self._record_step(batch, start, compiled)  # overlapped: its duration spans the wait for step k-1
-        return outputs
-
-    def _collect_flight(self, flight: _Flight) -> list[RequestOutput]:
-        """Wait for a dispatched step, write its tokens over their placeholders and post-process them."""
-        result = self.runner.collect(flight.pending, flight.batch, flight.sampling)
-        if flight.prompt_rows[0] is not None:
-            record(flight.prompt_rows[0], result.prompt_logprobs, flight.batch, flight.prompt_rows[1])
-        for req, index, s in flight.placeholders:
-            if not req.status.finished:  # an aborted request dropped its placeholder
-                req.output_token_ids[index] = int(result.tokens[s])
+    # What the loops use ---------------------------------------------------------------------------------------
+    def stamp_scheduled(self, batch: RaggedBatch) -> None:
+        """Stamp the first-scheduled time of the batch's requests that had none."""
         now = self.clock()
-        outputs = []
-        for req, _, s in flight.placeholders:
-            tracked = self._tracked.get(req.request_id)
-            if tracked is None or tracked.request is not req or req.status.finished:
-                continue  # aborted while in flight
-            try:
-                outputs.append(self._postprocess(tracked, result, s, now))
-            except Exception as e:  # one request's failure (e.g. detokenizing) must not stop the others
-                log.exception("request %s failed", req.request_id)
-                outputs.append(self._fail(tracked, f"internal error: {type(e).__name__}: {e}"))
-        return outputs
+        for req in batch.requests:
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
 
-    def _prompt_rows(self, batch: RaggedBatch) -> tuple[PromptRows | None, dict[int, PromptLogprobs]]:
+    def seed_of(self, request_id: str) -> int:
+        """The sampling seed of a live request."""
+        return self._tracked[request_id].seed
+
+    def sampling_for(self, batch: RaggedBatch, runner: ModelRunner | None = None) -> SamplingArrays:
+        """Stamp first-scheduled times and lay out each sequence's sampling row (params, seed, position), padded to
+        `runner`'s (default: this engine's) sampling bucket."""
+        self.stamp_scheduled(batch)
+        rows = [(r.sampling_params, self._tracked[r.request_id].seed, len(r.output_token_ids))
+                for r in batch.requests]
+        return SamplingArrays.build(rows, (runner or self.runner).sampling_bucket(batch.num_seqs))
+
+    def prompt_rows(self, batch: RaggedBatch) -> tuple[PromptRows | None, dict[int, PromptLogprobs]]:
         """The prefill rows of `batch` whose prompt logprobs their requests still miss, and those requests' lists."""
         lists = {s: t.prompt_logprobs for s, r in enumerate(batch.requests)
                  if (t := self._tracked.get(r.request_id)) is not None and t.prompt_logprobs is not None}
         return plan_rows(batch, lists), lists
 
-    def _sampling_for(self, batch, runner: ModelRunner) -> SamplingArrays:
-        """Stamp first-scheduled times and lay out each sequence's sampling row (params, seed, position)."""
-        now = self.clock()
-        for req in batch.requests:
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-        rows = [(r.sampling_params, self._tracked[r.request_id].seed, len(r.output_token_ids))
-                for r in batch.requests]
-        return SamplingArrays.build(rows, runner.sampling_bucket(batch.num_seqs))
+    def emit(self, req: Request, result: StepResult, s: int, now: float) -> RequestOutput | None:
+        """Turn row `s` of a step's result into `req`'s next output: stamp the token, record its logprobs, check
+        its stops. None when the request is no longer live (aborted while its step ran); a failure (e.g. in
+        detokenizing) fails that request alone, its output carrying the error."""
+        tracked = self._tracked.get(req.request_id)
+        if tracked is None or tracked.request is not req or req.status.finished:
+            return None
+        try:
+            return self._postprocess(tracked, result, s, now)
+        except Exception as e:  # one request's failure must not stop the others
+            log.exception("request %s failed", req.request_id)
+            return self.fail(req.request_id, f"internal error: {type(e).__name__}: {e}")
 
-    def _postprocess(self, tracked: _Tracked, result, s: int, now: float) -> RequestOutput:
-        """Stamp a request's new token, record its logprobs, check its stops, and describe it."""
-        req = tracked.request
-        self.counters["generation_tokens"] += 1
-        req.token_times.append(now)
-        if req.first_token_time is None:
-            req.first_token_time = now
-        if tracked.logprobs is not None:
-            tracked.logprobs.append(self._logprob_entry(result, s, req.sampling_params.logprobs or 0))
-        finish = tracked.stops.check(req)
-        if finish is not None:
-            status, reason = finish
-            req.stop_reason = reason
-            req.finish_time = now
-            self.scheduler.finish_request(req, status)
-            del self._tracked[req.request_id]
-        return self._output(tracked)
-
-    def _fail(self, tracked: _Tracked, message: str) -> RequestOutput:
-        """Abort a request that hit an internal error; its output carries the error."""
-        out = self.abort_request(tracked.request.request_id) or self._output(tracked)
-        out.error = message
+    def fail(self, request_id: str, message: str) -> RequestOutput | None:
+        """Abort a request that hit an internal error; its final output carries the error."""
+        tracked = self._tracked.get(request_id)
+        out = self.abort_request(request_id) or (self._output(tracked) if tracked is not None else None)
+        if out is not None:
+            out.error = message
         return out
 
-    def _logprob_entry(self, result, s: int, k: int) -> dict[int, float]:
-        entry = {int(result.tokens[s]): float(result.logprobs[s])}
-        if k and result.top_ids is not None:
-            entry.update({int(i): float(lp) for i, lp in zip(result.top_ids[s, :k], result.top_logprobs[s, :k],
-                                                               strict=True)})
-        return entry
-
-    def _record_step(self, batch, start: float, compiled: bool) -> None:
+    def record_step(self, batch: RaggedBatch, start: float, compiled: bool) -> None:
+        """Count a finished step and describe it in `last_step` (what metrics and the report read)."""
         stats = self.scheduler.stats()
         self.counters["steps"] += 1
         self.counters["num_preemptions"] += stats.num_preemptions
@@ -362,6 +227,32 @@ class LLMEngine:
                             for s in range(batch.num_decodes, batch.num_seqs)],
             compiled=compiled)
 
+    # Outputs --------------------------------------------------------------------------------------------------
+    def _postprocess(self, tracked: _Tracked, result: StepResult, s: int, now: float) -> RequestOutput:
+        """Stamp a request's new token, record its logprobs, check its stops, and describe it."""
+        req = tracked.request
+        self.counters["generation_tokens"] += 1
+        req.token_times.append(now)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if tracked.logprobs is not None:
+            tracked.logprobs.append(self._logprob_entry(result, s, req.sampling_params.logprobs or 0))
+        finish = tracked.stops.check(req)
+        if finish is not None:
+            status, reason = finish
+            req.stop_reason = reason
+            req.finish_time = now
+            self.scheduler.finish_request(req, status)
+            del self._tracked[req.request_id]
+        return self._output(tracked)
+
+    def _logprob_entry(self, result: StepResult, s: int, k: int) -> dict[int, float]:
+        entry = {int(result.tokens[s]): float(result.logprobs[s])}
+        if k and result.top_ids is not None:
+            entry.update({int(i): float(lp) for i, lp in zip(result.top_ids[s, :k], result.top_logprobs[s, :k],
+                                                               strict=True)})
+        return entry
+
     def _output(self, tracked: _Tracked) -> RequestOutput:
         req = tracked.request
         status = req.status
@@ -373,7 +264,9 @@ class LLMEngine:
         metrics = RequestMetrics(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
                                  first_token_time=req.first_token_time, finish_time=req.finish_time,
                                  token_times=list(req.token_times), num_cached_tokens=cached,
-                                 num_preemptions=req.num_preemptions, **spec_metrics(req))
+                                 num_preemptions=req.num_preemptions, spec_num_steps=req.spec_num_steps,
+                                 spec_num_draft_tokens=req.spec_num_draft_tokens,
+                                 spec_num_accepted_tokens=req.spec_num_accepted_tokens)
         prompt_lp = list(tracked.prompt_logprobs) if tracked.prompt_logprobs is not None else None
         return RequestOutput(request_id=req.request_id, prompt=tracked.prompt,
                              prompt_token_ids=req.prompt_token_ids, outputs=[completion],
@@ -395,4 +288,4 @@ class LLMEngine:
         """A snapshot of the engine's gauges and counters."""
         return {"num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
                 "kv_usage": self.kv_manager.usage(), "evicted_pages": self.kv_manager.num_evicted_pages,
-                **self.counters, **(self.spec_decoder.stats() if self.spec_decoder else {})}
+                **self.counters, **self.loop.stats()}

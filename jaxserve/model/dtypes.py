@@ -4,22 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from modelspec.dtypes import lookup, short_name
 
-# What `--dtype` accepts for weights and activations; "auto" is float32 on a CPU, bfloat16 elsewhere.
+# What `--dtype` accepts for weights and activations; "auto" is the platform policy's (`policy.default_dtype`).
 ARRAY_DTYPES = ("float32", "bfloat16", "float16")
 RUNTIME_DTYPES = ("auto", *ARRAY_DTYPES)
 
 
-def resolve_dtype(dtype: str | Any = "auto", platform: str | None = None) -> jnp.dtype:
-    """The array dtype a name (short or array name, or "auto" for this platform) or a dtype stands for."""
+def resolve_dtype(dtype: str | Any) -> jnp.dtype:
+    """The array dtype a name (short or array name) or a dtype stands for; "auto" is refused here (the engine
+    resolves it for its device: `jaxserve.platform.policy.default_dtype`)."""
     if isinstance(dtype, str) and dtype == "auto":
-        platform = platform or jax.default_backend()
-        return jnp.dtype(jnp.float32 if platform == "cpu" else jnp.bfloat16)
+        raise ValueError("dtype 'auto' depends on the device: resolve it with jaxserve.platform.policy.default_dtype")
     if isinstance(dtype, str):
         array_name = lookup(dtype).array_name
         if array_name is None:

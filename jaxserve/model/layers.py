@@ -1,4 +1,4 @@
-"""Building blocks every decoder family shares: the seeded initializer, the CPU-routed matmul, RMSNorm, SwiGLU."""
+"""Building blocks every decoder family shares: the seeded initializer, the routed matmul, RMSNorm, SwiGLU."""
 
 from __future__ import annotations
 
@@ -10,12 +10,9 @@ from jax import lax
 
 from jaxserve.kernels.cpu import matmul as cpu_matmul
 from jaxserve.kernels.cpu import matmul_int8 as cpu_matmul_int8
-from jaxserve.kernels.cpu.kernel_plan import KernelPlan
+from jaxserve.model.ops import XLA_MATMULS, MatmulRoute
 from jaxserve.model.quantize import QuantizedWeight, quantized_matmul
 from modelspec.spec import ModelSpec
-
-# Token counts up to which a CPU step's projections go to Eigen rather than YNNPACK (`linear`); see docs/tuning.md.
-CPU_EIGEN_MAX_ROWS = 16
 
 
 def normals(key: jax.Array, shapes_stds: tuple[tuple[tuple[int, ...], float], ...],
@@ -35,27 +32,25 @@ def normals(key: jax.Array, shapes_stds: tuple[tuple[tuple[int, ...], float], ..
             for shape, std in shapes_stds]
 
 
-def linear(x: jax.Array, w: jax.Array | QuantizedWeight, cpu_kernel: bool = False,
-           plan: KernelPlan | None = None) -> jax.Array:
-    """x [T, in] times w [in, ...] -> [T, ...], on a CPU routed to the matmul that is fastest for T rows.
+def linear(x: jax.Array, w: jax.Array | QuantizedWeight, route: MatmulRoute = XLA_MATMULS) -> jax.Array:
+    """x [T, in] times w [in, ...] -> [T, ...], by the matmul `route` names for T rows (`ops.MatmulRoute`).
 
-    With `cpu_kernel`, float32 steps of up to `cpu_matmul.MAX_ROWS` rows go to jaxserve's C++ kernel, which
-    streams w at the memory's rate where XLA's dots fell to a fraction of it; with a `plan` too, only the row
-    counts it names (those measured faster in the kernel on this machine). Otherwise XLA's CPU backend gives
-    dots to YNNPACK, and Eigen runs the 2-16-row GEMMs of decode steps faster (docs/tuning.md). YNNPACK declines
-    a dot whose left operand is column-major, so for those row counts x goes in transposed, behind an
-    optimization barrier that keeps XLA from folding the transpose back into the dot. An int8 `QuantizedWeight`
+    With the route's C++ kernel, float32 steps of up to `cpu_matmul.MAX_ROWS` rows go to jaxserve's kernel, which
+    streams w at the memory's rate where XLA's dots fell to a fraction of it (at the row counts the route's plan
+    measured faster on this machine). At the route's transposed row counts x goes in transposed, behind an
+    optimization barrier that keeps XLA from folding the transpose back into the dot: YNNPACK declines a dot whose
+    left operand is column-major, and Eigen runs those GEMMs faster (docs/tuning.md). An int8 `QuantizedWeight`
     (`--quantization int8`) is multiplied as codes, its scales applied to the output: in the int8 kernel (codes
-    converted in registers) where the kernel and plan allow, else in XLA (`quantize.quantized_matmul`).
+    converted in registers) where the route allows, else in XLA (`quantize.quantized_matmul`).
     """
     t = x.shape[0]
     if isinstance(w, QuantizedWeight):
-        if cpu_kernel and (plan is None or plan.matmul(t)) and cpu_matmul_int8.supports(x, w.q):
-            return cpu_matmul_int8.cpu_matmul_int8(x, w.q, w.scale, plan.int8_threads(t) if plan else 0)
-        return quantized_matmul(x, w, in_step_order=cpu_kernel)  # a CPU step: one weight's float copy at a time
-    if cpu_kernel and (plan is None or plan.matmul(t)) and cpu_matmul.supports(x, w):
+        if route.kernel_at(t) and cpu_matmul_int8.supports(x, w.q):
+            return cpu_matmul_int8.cpu_matmul_int8(x, w.q, w.scale, route.int8_threads(t))
+        return quantized_matmul(x, w, in_step_order=route.step_order_converts)
+    if route.kernel_at(t) and cpu_matmul.supports(x, w):
         return cpu_matmul.cpu_matmul(x, w)
-    if 2 <= t <= CPU_EIGEN_MAX_ROWS and jax.default_backend() == "cpu":
+    if route.transposed_at(t):
         return lax.dot_general(lax.optimization_barrier(x.T), w, (((0,), (0,)), ((), ())))
     return lax.dot_general(x, w, (((1,), (0,)), ((), ())))
 
@@ -84,8 +79,8 @@ class MLP(nnx.Module):
         self.gate_up = nnx.Param(gate_up)
         self.down = nnx.Param(down)
 
-    def __call__(self, x: jax.Array, cpu_kernel: bool = False, plan: KernelPlan | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, route: MatmulRoute = XLA_MATMULS) -> jax.Array:
         # A dot over [hidden, 2, inter] rather than a reshaped matmul: merging the "2" axis with the
         # tp-sharded intermediate axis made XLA all-gather the weight every step under tensor parallelism.
-        gu = linear(x, self.gate_up[...], cpu_kernel, plan)
-        return linear(jax.nn.silu(gu[:, 0]) * gu[:, 1], self.down[...], cpu_kernel, plan)
+        gu = linear(x, self.gate_up[...], route)
+        return linear(jax.nn.silu(gu[:, 0]) * gu[:, 1], self.down[...], route)

@@ -16,22 +16,21 @@ The KV pool holds per layer (k, v) `[num_pages, page_size, kv_heads, head_dim]` 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.kernels.cpu import matmul as cpu_matmul
 from jaxserve.kernels.cpu import matmul_int8 as cpu_matmul_int8
-from jaxserve.kernels.cpu.kernel_plan import KernelPlan
-from jaxserve.model.attention.backend import AttentionBackend
-from jaxserve.model.attention.kv_quant import kv_kind
-from jaxserve.model.attention.metadata import AttentionMetadata
+from jaxserve.kernels.metadata import AttentionMetadata
 from jaxserve.model.attention.paged_attention import write_kv
-from jaxserve.model.attention.select import auto_backend
 from jaxserve.model.dtypes import planner_dtype, resolve_dtype
-from jaxserve.model.layers import CPU_EIGEN_MAX_ROWS, MLP, RMSNorm, linear, normals
+from jaxserve.model.layers import MLP, RMSNorm, linear, normals
 from jaxserve.model.mla import LatentAttention
 from jaxserve.model.moe import MoE
+from jaxserve.model.ops import XLA_MATMULS, MatmulRoute, ModelOps
 from jaxserve.model.quantize import QuantizedWeight
 from jaxserve.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from modelspec.memory import kv_bytes_per_token
@@ -39,7 +38,7 @@ from modelspec.spec import ModelSpec
 
 # Per layer (k, v), each [num_pages, page_size, kv_heads, head_dim]; MLA: (latent,) (module doc).
 KVCaches = list[tuple[jax.Array, ...]]
-__all__ = ["CPU_EIGEN_MAX_ROWS", "KVCaches", "LlamaForCausalLM", "RMSNorm", "init_kv_cache", "linear"]
+__all__ = ["KVCaches", "LlamaForCausalLM", "RMSNorm", "init_kv_cache", "linear"]
 
 class Attention(nnx.Module):
     """GQA self-attention with a fused, KV-head-grouped qkv projection and paged KV."""
@@ -62,11 +61,10 @@ class Attention(nnx.Module):
         self.scale = d**-0.5
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv: tuple[jax.Array, jax.Array],
-                 meta: AttentionMetadata, cpu_kernel: bool, attention: AttentionBackend,
-                 plan: KernelPlan | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                 meta: AttentionMetadata, ops: ModelOps) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         t = x.shape[0]
         w = self.qkv[...]
-        qkv = linear(x, w.reshape(w.shape[0], -1), cpu_kernel, plan)
+        qkv = linear(x, w.reshape(w.shape[0], -1), ops.matmul)
         qkv = qkv.reshape(t, self.num_kv_heads, self.group + 2, self.head_dim)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...]
@@ -76,8 +74,8 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
-        o = attention(q, k_cache, v_cache, meta, self.scale)
-        return linear(o.reshape(t, -1), self.o[...], cpu_kernel, plan), (k_cache, v_cache)
+        o = ops.attention(q, k_cache, v_cache, meta, self.scale)
+        return linear(o.reshape(t, -1), self.o[...], ops.matmul), (k_cache, v_cache)
 
 
 class DecoderLayer(nnx.Module):
@@ -108,14 +106,13 @@ class DecoderLayer(nnx.Module):
         return ws + ([mlp.gate_up[...], mlp.down[...]] if mlp is not None else [])
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv: tuple[jax.Array, ...],
-                 meta: AttentionMetadata, cpu_kernel: bool, attention: AttentionBackend,
-                 plan: KernelPlan | None = None) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-        a, kv = self.attn(self.input_norm(x), cos, sin, kv, meta, cpu_kernel, attention, plan)
+                 meta: AttentionMetadata, ops: ModelOps) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        a, kv = self.attn(self.input_norm(x), cos, sin, kv, meta, ops)
         x = x + a
         h = self.post_attn_norm(x)
         if isinstance(self.mlp, MoE):  # the bucket's padding rows (after the real tokens) run no routed expert
-            return x + self.mlp(h, cpu_kernel, plan, num_tokens=meta.num_tokens), kv
-        return x + self.mlp(h, cpu_kernel, plan), kv
+            return x + self.mlp(h, ops.matmul, num_tokens=meta.num_tokens), kv
+        return x + self.mlp(h, ops.matmul), kv
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -145,39 +142,33 @@ class LlamaForCausalLM(nnx.Module):
         self.inv_freq = tuple(float(f) for f in inv_freq)
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_caches: KVCaches,
-                 meta: AttentionMetadata, *, cpu_kernel: bool = True,
-                 attention: AttentionBackend | None = None,
-                 plan: KernelPlan | None = None) -> tuple[jax.Array, KVCaches]:
+                 meta: AttentionMetadata, ops: ModelOps) -> tuple[jax.Array, KVCaches]:
         """Run T tokens; returns the final-normed hidden states [T, hidden] and the updated caches.
 
-        `attention`: the backend every layer attends with, chosen at start-up (the runner's); None: what `auto`
-        picks on the default platform. `cpu_kernel=False` keeps the matmuls (and, when `attention` is None,
-        attention) in XLA even where jaxserve's CPU kernels could run (a mesh of several devices: XLA cannot
-        split a custom call over them); `plan` names the row counts whose matmuls may use the kernel (None: all).
+        `ops`: the attention backend every layer attends with and the projections' matmul route, chosen at
+        start-up by the platform policy (`jaxserve.platform.policy`).
         """
-        if attention is None:
-            k0 = kv_caches[0][0]
-            attention = auto_backend(k0.dtype, k0.shape[3], k0.shape[1], cpu_kernel, kv_kind(k0))
         x = jnp.take(self.embed[...], token_ids, axis=0)
         cos, sin = rope_cos_sin(positions, self.inv_freq)
         new_caches = []
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x, kv = layer(x, cos, sin, kv, meta, cpu_kernel, attention, plan)
+            x, kv = layer(x, cos, sin, kv, meta, ops)
             new_caches.append(kv)
         return self.norm(x), new_caches
 
-    def compute_logits(self, hidden: jax.Array, cpu_kernel: bool = False, plan: KernelPlan | None = None) -> jax.Array:
-        """Float32 logits [N, vocab] of hidden rows [N, hidden]; `cpu_kernel` as in `__call__`, `plan` for the head's
-        row counts (a tied head reads the embedding in place through the kernel's x @ w^T; see docs/tuning.md)."""
-        cpu_kernel = cpu_kernel and (plan is None or plan.head(hidden.shape[0]))
+    def compute_logits(self, hidden: jax.Array, route: MatmulRoute = XLA_MATMULS) -> jax.Array:
+        """Float32 logits [N, vocab] of hidden rows [N, hidden], by `route` (a tied head reads the embedding in place
+        through the kernel's x @ w^T where the route allows the head's row count; see docs/tuning.md)."""
+        rows = hidden.shape[0]
+        kernel = route.head_kernel_at(rows)
         if self.lm_head is not None:
             head = self.lm_head[...]
-            if cpu_kernel and isinstance(head, QuantizedWeight) and cpu_matmul_int8.supports(hidden, head.q):
-                threads = plan.int8_threads(hidden.shape[0]) if plan else 0
-                return cpu_matmul_int8.cpu_matmul_int8(hidden, head.q, head.scale, threads)
-            return linear(hidden, head, cpu_kernel).astype(jnp.float32)
+            if kernel and isinstance(head, QuantizedWeight) and cpu_matmul_int8.supports(hidden, head.q):
+                return cpu_matmul_int8.cpu_matmul_int8(hidden, head.q, head.scale, route.int8_threads(rows))
+            head_route = dataclasses.replace(route, cpu_kernel=kernel, plan=None) if route.cpu_kernel else route
+            return linear(hidden, head, head_route).astype(jnp.float32)
         embed = self.embed[...]
-        if cpu_kernel and cpu_matmul.supports_nt(hidden, embed):
+        if kernel and cpu_matmul.supports_nt(hidden, embed):
             return cpu_matmul.cpu_matmul_nt(hidden, embed)
         return (hidden @ embed.T).astype(jnp.float32)
 

@@ -23,12 +23,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jaxserve.kernels.cpu.kernel_plan import KernelPlan
-from jaxserve.model.attention import kv_quant
-from jaxserve.model.attention.backend import AttentionBackend
+from jaxserve.kernels import kv_quant
+from jaxserve.kernels.metadata import AttentionMetadata
 from jaxserve.model.attention.latent import LatentAttentionBackend
-from jaxserve.model.attention.metadata import AttentionMetadata
 from jaxserve.model.layers import RMSNorm, linear, normals
+from jaxserve.model.ops import ModelOps
 from modelspec.spec import ModelSpec
 
 # HF's DeepSeek-V2 builds q_a_layernorm and kv_a_layernorm without passing rms_norm_eps: its default holds.
@@ -95,21 +94,21 @@ class LatentAttention(nnx.Module):
         self.scale = softmax_scale(spec)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv: tuple[jax.Array], meta: AttentionMetadata,
-                 cpu_kernel: bool, attention: AttentionBackend,
-                 plan: KernelPlan | None = None) -> tuple[jax.Array, tuple[jax.Array]]:
+                 ops: ModelOps) -> tuple[jax.Array, tuple[jax.Array]]:
+        route = ops.matmul
         t, h = x.shape[0], self.num_heads
         if self.q is not None:
-            q = linear(x, self.q[...], cpu_kernel, plan)
+            q = linear(x, self.q[...], route)
         else:
-            q = linear(self.q_a_norm(linear(x, self.q_a[...], cpu_kernel, plan)), self.q_b[...], cpu_kernel, plan)
+            q = linear(self.q_a_norm(linear(x, self.q_a[...], route)), self.q_b[...], route)
         q = q.reshape(t, h, self.nope + self.rope)
-        ckv = linear(x, self.kv_a[...], cpu_kernel, plan)
+        ckv = linear(x, self.kv_a[...], route)
         c, k_pe = self.kv_a_norm(ckv[:, : self.rank]), ckv[:, None, self.rank:]
         q_pe, k_pe = apply_rope_interleaved(q[..., self.nope:], cos, sin), apply_rope_interleaved(k_pe, cos, sin)
         kv_b = self.kv_b[...].reshape(self.rank, h, self.nope + self.v)
         q_lat = jnp.einsum("thn,rhn->thr", q[..., : self.nope], kv_b[..., : self.nope])
         cache = write_latent(kv[0], jnp.concatenate([c[:, None], k_pe], axis=-1), meta.slot_mapping)
-        o_lat = LatentAttentionBackend(attention, self.rank)(jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], -1),
+        o_lat = LatentAttentionBackend(ops.attention, self.rank)(jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], -1),
                                                              cache, meta, self.scale)
         o = jnp.einsum("thr,rhv->thv", o_lat, kv_b[..., self.nope:]).reshape(t, h * self.v)
-        return linear(o, self.o[...], cpu_kernel, plan), (cache,)
+        return linear(o, self.o[...], route), (cache,)

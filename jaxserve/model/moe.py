@@ -4,8 +4,10 @@ Compute reads only the experts a step uses. The step's (token, expert) assignmen
 out in tiles of R rows, each tile holding rows of one expert only (an expert's rows padded to whole tiles); a loop
 runs over the tiles in use, each reading its expert's weights with a dynamic slice and doing two small GEMMs. So a
 decode step of T <= 64 tokens (R = T: one tile per expert touched) reads each distinct expert once, and its weight
-traffic follows the number of distinct experts the batch activates, not E. The loop's trip count is a device
-value: on a CPU that is free; on a GPU each iteration of an XLA while loop waits on the host (docs/models.md).
+traffic follows the number of distinct experts the batch activates, not E. On a CPU the loop runs to the tiles in
+use, a device value, which costs nothing there; elsewhere (the matmul route's `moe_tiles_in_use` off) it runs to
+the most tiles the step can need, a static count, since an accelerator's runtime would copy a device-computed bound
+to the host every iteration: its tiles past those in use read their expert for no rows (docs/models.md).
 On a CPU with jaxserve's kernels, the step sizes the kernel plan names run all tiles in one grouped-matmul call
 instead (`cpu_matmul.cpu_grouped_matmul`): it reads each expert in place, where XLA's loop copies every tile's
 expert out of the stacked weights before its dot.
@@ -19,14 +21,16 @@ every device.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
 from jaxserve.kernels.cpu import matmul as cpu_matmul
-from jaxserve.kernels.cpu.kernel_plan import KernelPlan
 from jaxserve.model.layers import linear, normals
+from jaxserve.model.ops import XLA_MATMULS, MatmulRoute
 from modelspec.moe_tiles import DECODE_TILE_MAX, tile_rows  # one layout, priced by the planner
 from modelspec.spec import ModelSpec
 
@@ -54,13 +58,15 @@ def route(logits: jax.Array, k: int, *, norm_topk_prob: bool, scaling: float = 1
 
 
 def grouped_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, gate_up: jax.Array, down: jax.Array,
-                    linear=None, grouped=None, num_tokens: jax.Array | None = None) -> jax.Array:
+                    linear=None, grouped=None, num_tokens: jax.Array | None = None,
+                    tiles_in_use: bool = True) -> jax.Array:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x [T, hidden], each expert a SwiGLU MLP.
 
     gate_up [E, hidden, 2, I], down [E, I, hidden]. Only the tiles of experts some token chose run (module doc):
     in a loop of `linear(x, w)` (default: XLA's dot), or all at once by `grouped(tiles_x, w, tile_expert,
     tile_rows)` (`cpu_matmul.cpu_grouped_matmul`'s contract) where one is given. `num_tokens`: the step's real
     tokens (a device scalar); the rows after them (the bucket's padding) go to no expert and come out zero.
+    `tiles_in_use`: the loop's bound is the tiles in use (a device value) rather than the most there can be.
     """
     linear = linear or (lambda a, w: a @ w.reshape(w.shape[0], -1))
     t, k = ids.shape
@@ -100,7 +106,8 @@ def grouped_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, gate_up: j
         gu = grouped(xs, gate_up, ex, used)
         out = grouped(jax.nn.silu(gu[:, 0]) * gu[:, 1], down, ex, used)
     else:
-        out = lax.fori_loop(0, tile_end[-1], tile, jnp.zeros((max_tiles * r, hidden), x.dtype))
+        bound = tile_end[-1] if tiles_in_use else max_tiles  # past the tiles in use: zero rows, dropped below
+        out = lax.fori_loop(0, bound, tile, jnp.zeros((max_tiles * r, hidden), x.dtype))
     w_sorted = weights.reshape(-1)[order].astype(jnp.float32)
     rows = jnp.where((sorted_e < e)[:, None], out[jnp.minimum(dest, max_tiles * r - 1)].astype(jnp.float32), 0.0)
     contrib = (rows * w_sorted[:, None]).astype(x.dtype)
@@ -124,7 +131,7 @@ class MoE(nnx.Module):
         self.scaling = spec.routed_scaling_factor
         self.topk_method, self.n_group, self.topk_group = spec.topk_method, spec.n_group, spec.topk_group
 
-    def __call__(self, x: jax.Array, cpu_kernel: bool = False, plan: KernelPlan | None = None,
+    def __call__(self, x: jax.Array, matmul: MatmulRoute = XLA_MATMULS,
                  num_tokens: jax.Array | None = None) -> jax.Array:
         """The routed (+ shared) experts of x [T, hidden]; rows from `num_tokens` on (padding) skip the routed ones."""
         logits = x.astype(jnp.float32) @ self.router[...]
@@ -133,11 +140,11 @@ class MoE(nnx.Module):
         gate_up, down = self.experts_gate_up[...], self.experts_down[...]
         # XLA's dots in the loop, not the C++ kernel: on an expert sliced inside the loop it ran slower; the grouped
         # kernel reads the experts in place instead, at the step sizes the plan measured it faster (docs/models.md).
-        mm = lambda a, w: linear(a, w.reshape(w.shape[0], -1))  # noqa: E731
-        use = (cpu_kernel and (plan is None or plan.moe(x.shape[0])) and x.shape[0] <= DECODE_TILE_MAX
+        mm = lambda a, w: linear(a, w.reshape(w.shape[0], -1), dataclasses.replace(matmul, cpu_kernel=False))  # noqa: E731
+        use = (matmul.moe_kernel_at(x.shape[0]) and x.shape[0] <= DECODE_TILE_MAX
                and cpu_matmul.supports_grouped(x, gate_up) and cpu_matmul.supports_grouped(x, down))
         y = grouped_experts(x, ids, weights, gate_up, down, mm, cpu_matmul.cpu_grouped_matmul if use else None,
-                            num_tokens)
+                            num_tokens, matmul.moe_tiles_in_use)
         if self.shared is not None:
-            y = y + self.shared(x, cpu_kernel, plan)
+            y = y + self.shared(x, matmul)
         return y

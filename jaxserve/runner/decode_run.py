@@ -17,14 +17,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxserve.core.batch import RaggedBatch
 from jaxserve.core.request import Request
-from jaxserve.model.attention.metadata import AttentionMetadata
-from jaxserve.runner.model_runner import bucket_for
-from jaxserve.runner.parallel import params_shardings, replicated
-from jaxserve.runner.sampler import SamplingArrays, sample_tokens
+from jaxserve.kernels.metadata import AttentionMetadata
+from jaxserve.runner.buckets import bucket_for
+from jaxserve.runner.compiles import compiled_variants
+from jaxserve.runner.sampler import SamplingArrays
+from jaxserve.runner.sampling import DRAWS, sample_tokens
 
 MAX_DEVICE_STOP_IDS = 4  # stop token ids a request may have and still decode several steps a dispatch
 
@@ -69,12 +69,12 @@ def can_run_on_device(requests: list[Request]) -> bool:
                and not r.sampling_params.needs_processing for r in requests)
 
 
-def _decode_run_impl(runner: Any, k: int, t: int, param_leaves, kv_caches, tokens, positions, slots, page_table,
-                     limits, stop_ids, temperature, top_k, top_p, min_p, seed, step):
-    """The jitted body: k iterations of forward + logits + sampling over `t` padded tokens (the token bucket a
-    one-step dispatch of these sequences would use); returns (drawn [k, S], logprobs [k, S], kv_caches), S the
-    sampling bucket."""
-    model = nnx.merge(runner.graphdef, jax.tree.unflatten(runner._param_tree, param_leaves))
+def _decode_run_impl(runner: Any, k: int, t: int, draw: str, param_leaves, kv_caches, tokens, positions, slots,
+                     page_table, limits, stop_ids, temperature, top_k, top_p, min_p, seed, step):
+    """The jitted body: k iterations of forward + logits + sampling (`draw`, as `sampling.draw_tokens`) over `t`
+    padded tokens (the token bucket a one-step dispatch of these sequences would use); returns (drawn [k, S],
+    logprobs [k, S], kv_caches), S the sampling bucket."""
+    model = runner.model(param_leaves)
     s_rows = temperature.shape[0]
     n_seq = runner.max_num_seqs
     num_seqs = jnp.sum(limits > 0).astype(jnp.int32)
@@ -82,7 +82,6 @@ def _decode_run_impl(runner: Any, k: int, t: int, param_leaves, kv_caches, token
     pad_t = t - s_rows
     cu = jnp.minimum(jnp.arange(n_seq + 1, dtype=jnp.int32), num_seqs)
     table = jnp.zeros((n_seq, page_table.shape[1]), jnp.int32).at[:s_rows].set(page_table)
-    no_logprobs = jnp.bool_(False)
 
     def body(i, carry):
         kv, tok, done, drawn, logprobs = carry
@@ -94,54 +93,47 @@ def _decode_run_impl(runner: Any, k: int, t: int, param_leaves, kv_caches, token
             cu_q_lens=cu,
             kv_lens=jnp.zeros(n_seq, jnp.int32).at[:s_rows].set(jnp.where(real, pos + 1, 0)),
             page_table=table, num_seqs=num_seqs, num_decodes=num_seqs)
-        hidden, kv = model(jnp.pad(tok, (0, pad_t)), jnp.pad(pos, (0, pad_t)), kv, meta,
-                           cpu_kernel=runner.cpu_kernels, attention=runner.attention, plan=runner.kernel_plan)
-        logits = model.compute_logits(hidden[:s_rows], cpu_kernel=runner.cpu_kernels, plan=runner.kernel_plan)
-        new, lp, _, _ = sample_tokens(logits, temperature, top_k, top_p, min_p, seed, step + i, no_logprobs)
+        hidden, kv = model(jnp.pad(tok, (0, pad_t)), jnp.pad(pos, (0, pad_t)), kv, meta, runner.ops)
+        logits = model.compute_logits(hidden[:s_rows], runner.ops.matmul)
+        new, lp = sample_tokens(logits, temperature, top_k, top_p, min_p, seed, step + i, draw=draw, want_top=False,
+                                cut=runner.policy.sampler_cut)
         new = jnp.where(live, new, tok)
         stopped = jnp.any(new[:, None] == stop_ids, axis=-1) | (i + 1 >= limits)
         return (kv, new, done | (live & stopped), drawn.at[i].set(new), logprobs.at[i].set(lp))
 
     init = (kv_caches, tokens, ~real, jnp.zeros((k, s_rows), jnp.int32), jnp.zeros((k, s_rows), jnp.float32))
-    kv_caches, _, _, drawn, logprobs = jax.lax.fori_loop(0, k, body, init)
+    kv_caches, _, _, drawn, logprobs = jax.lax.fori_loop(0, k, body, init)  # static trip count
     return drawn, logprobs, kv_caches
 
 
 class DecodeRunner:
     """Runs `DecodeRun`s of k steps on a `ModelRunner`'s parameters and KV pool, compiled per (token bucket,
-    sampling bucket) pair."""
+    sampling bucket, draw variant)."""
 
     def __init__(self, runner: Any, k: int) -> None:
         self.runner, self.k = runner, k
-        self._fns: dict[int, Any] = {}  # token bucket -> jitted run
+        self._fns: dict[tuple[int, str], Any] = {}  # (token bucket, draw) -> jitted run
 
-    def _fn(self, t: int) -> Any:
-        if t not in self._fns:
-            r = self.runner
-            fn = functools.partial(_decode_run_impl, r, self.k, t)
-            if r.mesh is None:
-                self._fns[t] = jax.jit(fn, donate_argnums=(1,))
-            else:
-                rep = replicated(r.mesh)
-                kv_sh = jax.tree.map(lambda x: x.sharding, r.kv_caches)
-                params_sh = jax.tree.leaves(params_shardings(r.params))
-                self._fns[t] = jax.jit(fn, donate_argnums=(1,), in_shardings=(params_sh, kv_sh, *(rep,) * 12),
-                                       out_shardings=(rep, rep, kv_sh))
-        return self._fns[t]
+    def _fn(self, t: int, draw: str) -> Any:
+        if (t, draw) not in self._fns:
+            fn = functools.partial(_decode_run_impl, self.runner, self.k, t, draw)
+            self._fns[t, draw] = self.runner.jit_step(fn, num_inputs=12, num_outputs=2)
+        return self._fns[t, draw]
 
     def execute(self, batch: RaggedBatch, sampling: SamplingArrays, run: DecodeRun) -> tuple[np.ndarray, np.ndarray]:
         """Run k steps; returns what each sequence drew and its logprobs, [k, S] each (rows past a sequence's stop
         are to be dropped)."""
         r = self.runner
         t = bucket_for(batch.num_seqs, r.token_buckets)
-        inputs = r._put(pad_run(run, sampling, r.pages_per_seq))
-        drawn, logprobs, r.kv_caches = self._fn(t)(r.param_leaves, r.kv_caches, *inputs)
+        inputs = r.put(pad_run(run, sampling, r.pages_per_seq))
+        drawn, logprobs, r.kv_caches = self._fn(t, sampling.draw)(r.param_leaves, r.kv_caches, *inputs)
         drawn, logprobs = jax.device_get((drawn, logprobs))
         s = batch.num_seqs
         return np.asarray(drawn)[:, :s], np.asarray(logprobs)[:, :s]
 
     def warmup(self) -> None:
-        """Compile every sampling bucket (with the token bucket a decode step of that many sequences uses)."""
+        """Compile every sampling bucket and draw variant (with the token bucket a decode step of that many
+        sequences uses)."""
         r = self.runner
         for rows in r.seq_buckets:
             if rows > r.max_num_seqs:
@@ -151,13 +143,14 @@ class DecodeRunner:
                               np.zeros((0, 1), np.int32), np.zeros(0, np.int32),
                               np.zeros((0, MAX_DEVICE_STOP_IDS + 1), np.int32))
             t = bucket_for(rows, r.token_buckets)
-            out = self._fn(t)(r.param_leaves, r.kv_caches, *r._put(pad_run(empty, sampling, r.pages_per_seq)))
-            r.kv_caches = out[2]
-            jax.block_until_ready(out[0])
+            for draw in DRAWS:
+                out = self._fn(t, draw)(r.param_leaves, r.kv_caches, *r.put(pad_run(empty, sampling, r.pages_per_seq)))
+                r.kv_caches = out[2]
+                jax.block_until_ready(out[0])
 
     def compile_count(self) -> int:
         """Compiled variants so far."""
-        return sum(f._cache_size() for f in self._fns.values())
+        return compiled_variants(self._fns.values())
 
 
 def pad_run(run: DecodeRun, sampling: SamplingArrays, pages_per_seq: int) -> tuple:

@@ -11,7 +11,8 @@ compiles once per sampling bucket, at warm-up. Rows that need nothing carry neut
   unprocessed logits.
 - `logit_bias`: [S, MAX_LOGIT_BIAS] (token id, bias) pairs, pads pointing past the vocabulary (dropped).
 - penalties: each row's prompt and output ids [S, H] (H = the context length; -1 pads) and prompt length; the
-  device counts them into [S, V] with one scatter, skipped when no row has a penalty.
+  device counts them into [S, V] with one scatter. Rows without penalties carry neutral ones (presence and
+  frequency 0, repetition 1), which leave their logits exactly as they were: no conditional in the step.
 """
 
 from __future__ import annotations
@@ -123,17 +124,13 @@ def process_logits(logits: jax.Array, penalties: jax.Array, history: jax.Array, 
     out = jnp.where(ok, logits, -jnp.inf)
     out = out.at[rows, bias_ids].add(bias_values, mode="drop")
 
-    def penalize(x: jax.Array) -> jax.Array:
-        valid = history >= 0
-        idx = jnp.where(valid, history, v)  # pads point past the vocabulary: dropped
-        in_output = valid & (jnp.arange(history.shape[1])[None, :] >= num_prompt[:, None])
-        counts = jnp.zeros((s, v), jnp.float32).at[rows, idx].add(in_output.astype(jnp.float32), mode="drop")
-        seen = jnp.zeros((s, v), bool).at[rows, idx].set(True, mode="drop")
-        rep = penalties[:, 2:3]
-        x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
-        return x - penalties[:, 1:2] * counts - penalties[:, 0:1] * (counts > 0)
-
-    neutral = jnp.all((penalties[:, 0] == 0) & (penalties[:, 1] == 0) & (penalties[:, 2] == 1))
-    out = jax.lax.cond(neutral, lambda x: x, penalize, out)
+    valid = history >= 0
+    idx = jnp.where(valid, history, v)  # pads point past the vocabulary: dropped
+    in_output = valid & (jnp.arange(history.shape[1])[None, :] >= num_prompt[:, None])
+    counts = jnp.zeros((s, v), jnp.float32).at[rows, idx].add(in_output.astype(jnp.float32), mode="drop")
+    seen = jnp.zeros((s, v), bool).at[rows, idx].set(True, mode="drop")
+    rep = penalties[:, 2:3]
+    out = jnp.where(seen, jnp.where(out > 0, out / rep, out * rep), out)
+    out = out - penalties[:, 1:2] * counts - penalties[:, 0:1] * (counts > 0)
     return jnp.where(jnp.any(out > -jnp.inf, axis=-1, keepdims=True), out, logits)
 

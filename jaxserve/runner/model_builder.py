@@ -19,12 +19,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config.engine import EngineConfig
-from jaxserve.model.attention.kv_quant import QuantizedPool, empty_pool
+from jaxserve.kernels.kv_quant import QuantizedPool, empty_pool
 from jaxserve.model.checkpoint import load_checkpoint
 from jaxserve.model.compressed_tensors import folder_scheme
 from jaxserve.model.dtypes import resolve_dtype
 from jaxserve.model.llama import KVCaches, LlamaForCausalLM, kv_pool_layout
 from jaxserve.model.quantize_model import quantize_model
+from jaxserve.platform.devices import memory_limit
+from jaxserve.platform.policy import default_dtype, platform_of
 from jaxserve.runner.parallel import (
     AXIS,
     effective_spec,
@@ -80,10 +82,10 @@ def kv_budget_bytes(config: EngineConfig, spec: ModelSpec, dtype_name: str,
     if config.kv_cache_memory is not None:
         return float(config.kv_cache_memory)
     device = device or jax.devices()[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and "bytes_limit" in stats:
+    limit = memory_limit(device)
+    if limit is not None:
         tp = config.tensor_parallel_size
-        free = (stats["bytes_limit"] * config.gpu_memory_utilization - weight_bytes_per_device(spec, dtype_name, tp)
+        free = (limit * config.gpu_memory_utilization - weight_bytes_per_device(spec, dtype_name, tp)
                 - activation_bytes(spec, config.max_num_batched_tokens, config.max_num_seqs, dtype_name, tp))
         if free <= 0:
             raise ValueError(f"{spec.name} leaves no memory for the KV cache at "
@@ -125,14 +127,15 @@ def checkpoint_quantization(config: EngineConfig, spec: ModelSpec) -> str | None
 def build_model_and_cache(config: EngineConfig, spec: ModelSpec) -> BuiltModel:
     """Model parameters on the device, an empty KV pool, and the resulting max_model_len."""
     enable_compilation_cache(config.compilation_cache_dir)
-    dtype = resolve_dtype(config.dtype)
-    dtype_name = _DTYPE_NAMES[jnp.dtype(dtype)]
     if config.max_model_len is not None and config.max_model_len > spec.max_position_embeddings:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's maximum positions "
                          f"({spec.max_position_embeddings})")
     tp = config.tensor_parallel_size
     run_spec = effective_spec(spec, tp)
-    mesh = make_mesh(select_devices(tp, config.device_ids))
+    devices = select_devices(tp, config.device_ids)
+    mesh = make_mesh(devices)
+    dtype = default_dtype(platform_of(devices)) if config.dtype == "auto" else resolve_dtype(config.dtype)
+    dtype_name = _DTYPE_NAMES[jnp.dtype(dtype)]
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     if not local:
         raise ValueError(f"process {jax.process_index()} holds none of the {tp} mesh devices; with several "

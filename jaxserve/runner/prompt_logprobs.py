@@ -25,15 +25,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxserve.core.batch import RaggedBatch
-from jaxserve.runner.parallel import params_shardings
-from jaxserve.runner.sampler import NUM_TOP_LOGPROBS
+from jaxserve.runner.compiles import compiled_variants
+from jaxserve.runner.sampling import NUM_TOP_LOGPROBS
 
 PromptLogprobs = list[dict[int, float] | None]
 
@@ -81,68 +81,59 @@ def plan_rows(batch: RaggedBatch, filled: dict[int, PromptLogprobs]) -> PromptRo
 
 def record(rows: PromptRows, values: list[np.ndarray], batch: RaggedBatch, filled: dict[int, PromptLogprobs]) -> None:
     """Write a step's prompt logprobs (`PromptHead.compute`'s arrays, on the host) into each owner's list."""
-    target_lp, top_ids, top_lp = values
+    target_lp, *top = values  # the top ids and logprobs only when some owner asked for k > 0
     for r, s in enumerate(rows.owners):
         entry = {int(rows.targets[r]): float(target_lp[r])}
         k = batch.requests[s].sampling_params.prompt_logprobs or 0
         if k:
+            top_ids, top_lp = top
             entry.update(zip(top_ids[r, :k].tolist(), top_lp[r, :k].tolist(), strict=True))
         filled[s][int(rows.positions[r]) + 1] = entry
 
 
 class PromptHead:
-    """The jitted parts of prompt logprobs for one `ModelRunner`: its forward variant that also returns every
-    row's hidden state, and the LM head + log-softmax over the asked-for rows. Built on first use."""
+    """The LM head + log-softmax over the asked-for prompt rows of one `ModelRunner`'s step (the runner's forward
+    with every row's hidden state gives them), jitted on first use in two variants: with and without the top
+    logprobs (decided on the host, no conditional on the device)."""
 
-    def __init__(self, runner, wide_options: dict) -> None:
+    def __init__(self, runner: Any) -> None:
         self.runner = runner
-        self.wide_options = wide_options  # the runner's compiler options for its widest buckets
-        self._forwards: dict[bool, Callable] = {}
-        self._head: Callable | None = None
+        self._heads: dict[bool, Callable] = {}
 
-    def forward_for(self, num_tokens: int) -> Callable:
-        """The forward for a `num_tokens` bucket returning (last rows, all rows' hidden states, KV caches)."""
+    def _call(self, hidden: jax.Array, rows: PromptRows) -> tuple[Any, tuple]:
         r = self.runner
-        wide = r._forward_for(num_tokens) is not r._forward
-        if wide not in self._forwards:
-            body = functools.partial(r._forward_impl, all_rows=True)
-            self._forwards[wide] = jax.jit(body, donate_argnums=(1,), **self._shardings(wide))
-        return self._forwards[wide]
-
-    def _shardings(self, wide: bool) -> dict:
-        r = self.runner
-        out = dict(compiler_options=self.wide_options) if wide else {}
-        if r.mesh is not None:
-            rep, kv_sh = r._replicated, jax.tree.map(lambda x: x.sharding, r.kv_caches)
-            out.update(in_shardings=(jax.tree.leaves(params_shardings(r.params)), kv_sh, rep, rep),
-                       out_shardings=(rep, rep, kv_sh))
-        return out
-
-    def compute(self, hidden: jax.Array, rows: PromptRows) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Device futures (target logprob [R'], top ids [R', K], top logprobs [R', K]) for `rows` of `hidden`, the
-        rows padded to a token bucket R' (padding rows read row 0 and are dropped by `record`)."""
-        r = self.runner
-        if self._head is None:
-            kw = {} if r.mesh is None else dict(out_shardings=r._replicated)
-            self._head = jax.jit(self._head_impl, **kw)
+        want_top = bool(rows.want_top)
+        if want_top not in self._heads:
+            self._heads[want_top] = r.jit_step(functools.partial(self._head_impl, want_top), num_inputs=3,
+                                               num_outputs=3 if want_top else 1, pool=False)
         size = next(b for b in r.token_buckets if b >= rows.num_rows)  # rows <= the step's tokens
         idx, tgt = np.zeros(size, np.int32), np.zeros(size, np.int32)
         idx[: rows.num_rows], tgt[: rows.num_rows] = rows.indices, rows.targets
-        return self._head(r.param_leaves, hidden, *r._put((idx, tgt, np.bool_(rows.want_top))))
+        return self._heads[want_top], (r.param_leaves, hidden, *r.put((idx, tgt)))
 
-    def _head_impl(self, param_leaves, hidden, indices, targets, want_top):
+    def compute(self, hidden: jax.Array, rows: PromptRows) -> tuple[jax.Array, ...]:
+        """Device futures (target logprob [R'], top ids [R', K], top logprobs [R', K]; the top arrays only when
+        asked for) for `rows` of `hidden`, the rows padded to a token bucket R' (padding rows read row 0 and are
+        dropped by `record`)."""
+        fn, args = self._call(hidden, rows)
+        out = fn(*args)
+        return out if rows.want_top else (out,)
+
+    def lower(self, hidden: jax.Array, rows: PromptRows) -> Any:
+        """What `compute` would run, lowered for these arguments (to read its program; nothing runs)."""
+        fn, args = self._call(hidden, rows)
+        return fn.lower(*args)
+
+    def _head_impl(self, want_top: bool, param_leaves, hidden, indices, targets):
         r = self.runner
-        model = nnx.merge(r.graphdef, jax.tree.unflatten(r._param_tree, param_leaves))
-        logits = model.compute_logits(hidden[indices], cpu_kernel=r.cpu_kernels, plan=r.kernel_plan)
+        logits = r.model(param_leaves).compute_logits(hidden[indices], r.ops.matmul)
         logp = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
         target = jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]
-        k = min(NUM_TOP_LOGPROBS, logits.shape[-1])
-        top_lp, top_ids = jax.lax.cond(
-            want_top, lambda: tuple(jax.lax.top_k(logp, k)),
-            lambda: (jnp.zeros((logp.shape[0], k), logp.dtype), jnp.zeros((logp.shape[0], k), jnp.int32)))
+        if not want_top:
+            return target
+        top_lp, top_ids = jax.lax.top_k(logp, min(NUM_TOP_LOGPROBS, logits.shape[-1]))
         return target, top_ids, top_lp
 
     def compile_count(self) -> int:
         """Compiled variants so far (0 until a request asks for prompt logprobs)."""
-        fns = [*self._forwards.values(), *([self._head] if self._head is not None else [])]
-        return sum(f._cache_size() for f in fns)
+        return compiled_variants(self._heads.values())

@@ -46,7 +46,7 @@ class TokenText:
         if isinstance(tok, ByteTokenizer):
             return bytes([tid]) if 0 <= tid < 256 else None
         if isinstance(tok, HFTokenizer):
-            piece = tok._tok.id_to_token(tid)  # the tokenizers library's piece of this id
+            piece = tok.piece(tid)
             if piece is None:
                 return None
             m = _BYTE_PIECE.match(piece)

@@ -25,27 +25,29 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxserve.config.engine import EngineConfig
-from jaxserve.core.batch import RaggedBatch
-from jaxserve.model.attention.metadata import AttentionMetadata
+from jaxserve.core.batch import RaggedBatch, empty_batch
+from jaxserve.kernels.metadata import AttentionMetadata
+from jaxserve.platform.policy import choose_policy
+from jaxserve.runner.buckets import bucket_for
+from jaxserve.runner.compiles import compiled_variants
 from jaxserve.runner.model_builder import init_sharded_kv_cache, load_model
-from jaxserve.runner.model_runner import ModelRunner, bucket_for
-from jaxserve.runner.parallel import effective_spec, params_shardings, replicate_kv_heads, replicated, shard_model
+from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.parallel import effective_spec, replicate_kv_heads, shard_model
 from jaxserve.runner.sampler import SamplingArrays
+from jaxserve.runner.sampling import DRAWS
 from jaxserve.spec_decode.rejection import sample_draft
-from jaxserve.spec_decode.verify import empty_batch
 from modelspec.spec import ModelSpec, load_model_spec
 
 
-def _propose_impl(runner: ModelRunner, k: int, t: int, param_leaves, kv_caches, hidden_rows, starts, slots,
+def _propose_impl(runner: ModelRunner, k: int, t: int, draw: str, param_leaves, kv_caches, hidden_rows, starts, slots,
                   page_table, limits, temperature, top_k, top_p, min_p, seed, step):
     """The k draws of S speculating sequences (S = the sampling bucket; rows past the real ones have limit 0):
     draft 1 from `hidden_rows`, then k - 1 decode iterations over `t` padded tokens. Sequence j's draft i is drawn
     at token index step[j] + i; iteration i writes its KV at slots[i, j] (position starts[j] + i) while i <
     limits[j]. Returns (tokens [k, max_sampled], q [k * max_sampled, V], kv_caches)."""
-    model = nnx.merge(runner.graphdef, jax.tree.unflatten(runner._param_tree, param_leaves))
+    model = runner.model(param_leaves)
     rows, n_seq, n = temperature.shape[0], runner.max_num_seqs, runner.max_sampled
     num_seqs = jnp.sum(limits > 0).astype(jnp.int32)
     real = jnp.arange(rows) < num_seqs
@@ -53,8 +55,9 @@ def _propose_impl(runner: ModelRunner, k: int, t: int, param_leaves, kv_caches, 
     table = jnp.zeros((n_seq, page_table.shape[1]), jnp.int32).at[:rows].set(page_table)
 
     def draw(hidden, i):
-        logits = model.compute_logits(hidden[:rows], cpu_kernel=runner.cpu_kernels, plan=runner.kernel_plan)
-        return sample_draft(logits, temperature, top_k, top_p, min_p, seed, step + i)
+        logits = model.compute_logits(hidden[:rows], runner.ops.matmul)
+        return sample_draft(logits, temperature, top_k, top_p, min_p, seed, step + i, draw=draw,
+                            cut=runner.policy.sampler_cut)
 
     tok, q = draw(hidden_rows, 0)
     tokens = jnp.zeros((k, n), jnp.int32).at[0, :rows].set(tok)
@@ -68,8 +71,7 @@ def _propose_impl(runner: ModelRunner, k: int, t: int, param_leaves, kv_caches, 
             slot_mapping=jnp.pad(jnp.where(live, slots[i], 0), (0, t - rows)), cu_q_lens=cu,
             kv_lens=jnp.zeros(n_seq, jnp.int32).at[:rows].set(jnp.where(real, pos + 1, 0)),
             page_table=table, num_seqs=num_seqs, num_decodes=num_seqs)
-        hidden, kv = model(jnp.pad(tok, (0, t - rows)), jnp.pad(pos, (0, t - rows)), kv, meta,
-                           cpu_kernel=runner.cpu_kernels, attention=runner.attention, plan=runner.kernel_plan)
+        hidden, kv = model(jnp.pad(tok, (0, t - rows)), jnp.pad(pos, (0, t - rows)), kv, meta, runner.ops)
         new, q = draw(hidden, i)
         return kv, new, tokens.at[i, :rows].set(new), qs.at[i, :rows].set(q.astype(jnp.float32))
 
@@ -96,11 +98,12 @@ class DraftProposer:
         replicate_kv_heads(weights, spec, tp)
         shard_model(weights, target.mesh)
         kv = init_sharded_kv_cache(effective_spec(spec, tp), num_pages, config.page_size, k0.dtype, target.mesh)
-        self.runner = ModelRunner(weights, kv, page_size=config.page_size, max_model_len=max_model_len,
+        policy = choose_policy(weights, kv, attention_backend=target.ops.attention.name, cpu_kernels=config.cpu_kernels,
+                               token_buckets=target.token_buckets, seq_buckets=target.seq_buckets)
+        self.runner = ModelRunner(weights, kv, policy, page_size=config.page_size, max_model_len=max_model_len,
                                   max_num_seqs=config.max_num_seqs, token_buckets=target.token_buckets,
-                                  seq_buckets=target.seq_buckets, cpu_kernels=config.cpu_kernels,
-                                  attention_backend=target.attention.name)
-        self._fns: dict[int, Any] = {}  # sampling bucket -> the jitted k draws
+                                  seq_buckets=target.seq_buckets)
+        self._fns: dict[tuple[int, str], Any] = {}  # (sampling bucket, draw) -> the jitted k draws
         self._no_q: jax.Array | None = None
         self._no_q_all: jax.Array | None = None
         self._lag: dict[str, int] = {}  # request id -> the position of an accepted draft the draft never fed
@@ -126,9 +129,7 @@ class DraftProposer:
             items.append((s, int(starts[s]) + real - len(toks), toks))
         items.sort(key=lambda it: len(it[2]) != 1)  # the draft's decodes first, as the batch format wants
         speculating = [s for s, _, _ in items if drafts[s] > 0]
-        first = self._batch(batch, items, speculating)
-        t = bucket_for(first.num_tokens, r.token_buckets)
-        hidden, r.kv_caches = r._forward_for(t)(r.param_leaves, r.kv_caches, r._device_inputs(first, t), r._no_prev)
+        hidden = r.forward(self._batch(batch, items, speculating))
         q_index = np.zeros(len(batch.logits_indices), np.int32)
         if not speculating:
             return self._zeros(hidden), q_index
@@ -168,19 +169,14 @@ class DraftProposer:
                            logits_indices=np.array([cu[where[s] + 1] - 1 for s in speculating], np.int32),
                            samples=np.ones(len(items), bool))
 
-    def _fn(self, rows: int) -> Any:
-        """The jitted k draws for a sampling bucket of `rows` (its loop's forward pads to that row count's bucket)."""
-        if rows not in self._fns:
+    def _fn(self, rows: int, draw: str) -> Any:
+        """The jitted k draws for a sampling bucket of `rows` (its loop's forward pads to that row count's bucket),
+        drawing as `draw` says (`sampling.DRAWS`)."""
+        if (rows, draw) not in self._fns:
             r = self.runner
-            fn = functools.partial(_propose_impl, r, self.k, bucket_for(rows, r.token_buckets))
-            if r.mesh is None:
-                self._fns[rows] = jax.jit(fn, donate_argnums=(1,))
-            else:
-                rep = replicated(r.mesh)
-                kv_sh = jax.tree.map(lambda x: x.sharding, r.kv_caches)
-                self._fns[rows] = jax.jit(fn, donate_argnums=(1,), out_shardings=(rep, rep, kv_sh), in_shardings=(
-                    jax.tree.leaves(params_shardings(r.params)), kv_sh, *(rep,) * 11))
-        return self._fns[rows]
+            fn = functools.partial(_propose_impl, r, self.k, bucket_for(rows, r.token_buckets), draw)
+            self._fns[rows, draw] = r.jit_step(fn, num_inputs=11, num_outputs=2)
+        return self._fns[rows, draw]
 
     def _draws(self, hidden, batch: RaggedBatch, seqs: list[int], seeds: list[int], starts: np.ndarray
                ) -> tuple[np.ndarray, Any]:
@@ -199,9 +195,8 @@ class DraftProposer:
         page = np.minimum(ahead // ps, r.pages_per_seq - 1)
         slots = table[np.arange(rows)[None, :], page] * ps + ahead % ps
         live = (np.arange(k)[:, None] >= 1) & (np.arange(k)[:, None] < lim[None, :])
-        args = r._put((first, np.where(live, slots, 0).astype(np.int32), table, lim, a.temperature, a.top_k, a.top_p,
-                       a.min_p, a.seed, a.step))
-        tokens, q_flat, r.kv_caches = self._fn(rows)(r.param_leaves, r.kv_caches, hidden, *args)
+        args = r.put((first, np.where(live, slots, 0).astype(np.int32), table, lim, *a.rows()))
+        tokens, q_flat, r.kv_caches = self._fn(rows, a.draw)(r.param_leaves, r.kv_caches, hidden, *args)
         return np.asarray(jax.device_get(tokens)), q_flat
 
     def _zeros_rows(self, hidden) -> jax.Array:
@@ -221,23 +216,22 @@ class DraftProposer:
         """Compile the draft's forward buckets and its sampler for every sequence bucket."""
         r = self.runner
         r.warmup()
-        t = r.token_buckets[0]
-        hidden, r.kv_caches = r._forward_for(t)(r.param_leaves, r.kv_caches, r._device_inputs(empty_batch(), t),
-                                                r._no_prev)
+        hidden = r.forward(empty_batch())
         for size in r.seq_buckets:
-            self._warm(hidden, size)
+            for draw in DRAWS:
+                self._warm(hidden, size, draw)
 
-    def _warm(self, hidden, rows: int) -> None:
+    def _warm(self, hidden, rows: int, draw: str) -> None:
         """Compile (and run once) the k draws of a sampling bucket on no sequence: every row's limit is 0."""
         r, z = self.runner, np.zeros(rows, np.int32)
         a = SamplingArrays.build([], rows)
-        args = r._put((z, np.zeros((self.k, rows), np.int32), np.zeros((rows, r.pages_per_seq), np.int32), z,
-                       a.temperature, a.top_k, a.top_p, a.min_p, a.seed, a.step))
-        tokens, _, r.kv_caches = self._fn(rows)(r.param_leaves, r.kv_caches, hidden, *args)
+        args = r.put((z, np.zeros((self.k, rows), np.int32), np.zeros((rows, r.pages_per_seq), np.int32), z,
+                      *a.rows()))
+        tokens, _, r.kv_caches = self._fn(rows, draw)(r.param_leaves, r.kv_caches, hidden, *args)
         jax.block_until_ready(tokens)
 
     def compile_count(self) -> int:
-        return self.runner.compile_count() + sum(f._cache_size() for f in self._fns.values())
+        return self.runner.compile_count() + compiled_variants(self._fns.values())
 
 
 def _token_at(req, i: int) -> int:

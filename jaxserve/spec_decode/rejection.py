@@ -11,6 +11,9 @@ output is the same token for token as without speculation.
 Uniforms: a row's key is fold_in(key(seed), token index); its draw uses it as the plain sampler does, its accept
 test fold_in(key, 1), the draft model's draw fold_in(key, 2): independent, and a token index whose draws were
 used is never drawn again (the next step starts after it).
+
+As in the plain sampler, what the rows need is decided on the host and passed as static arguments (`draw`: no row
+samples, some sample, some cut; `cut`: the policy's method), so a jitted verify step holds no conditional.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.runner.sampler import _draw, _filter_threshold, _filter_threshold_search, first_argmax
+from jaxserve.runner.sampling import draw_cdf, filter_threshold, first_argmax
 
 ACCEPT_STREAM = 1
 DRAFT_STREAM = 2
@@ -37,22 +40,21 @@ def uniforms(keys: jax.Array, stream: int | None = None) -> jax.Array:
 
 
 def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                    min_p: jax.Array) -> jax.Array:
-    """Each sampling row's logits scaled by its temperature, -inf outside its top-k / top-p / min-p cut (the
-    plain sampler's); greedy rows are returned unscaled and unfiltered."""
+                    min_p: jax.Array, *, draw: str, cut: str) -> jax.Array:
+    """Each sampling row's logits scaled by its temperature, -inf outside its top-k / top-p / min-p cut when `draw`
+    is "cut" (the plain sampler's); greedy rows are returned unscaled and unfiltered."""
     sampling = temperature > 0
     scaled = logits / jnp.where(sampling, temperature, 1.0)[:, None]
-    needs_cut = jnp.any(sampling & ((top_k > 0) | (top_p < 1.0) | (min_p > 0)))
-    cut = _filter_threshold_search if jax.default_backend() == "cpu" else _filter_threshold
-    threshold = jax.lax.cond(needs_cut, lambda: cut(scaled, top_k, top_p, min_p),
-                             lambda: jnp.full(scaled.shape[:1], -jnp.inf, scaled.dtype))
+    if draw != "cut":
+        return scaled
+    threshold = filter_threshold(scaled, top_k, top_p, min_p, cut)
     return jnp.where(sampling[:, None] & (scaled < threshold[:, None]), -jnp.inf, scaled)
 
 
 def probabilities(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                  min_p: jax.Array) -> jax.Array:
+                  min_p: jax.Array, *, draw: str, cut: str) -> jax.Array:
     """The distribution each row draws from: softmax of `filtered_logits`, one-hot at the argmax for greedy rows."""
-    probs = jax.nn.softmax(filtered_logits(logits, temperature, top_k, top_p, min_p), axis=-1)
+    probs = jax.nn.softmax(filtered_logits(logits, temperature, top_k, top_p, min_p, draw=draw, cut=cut), axis=-1)
     greedy = jax.nn.one_hot(first_argmax(logits), logits.shape[-1], dtype=probs.dtype)
     return jnp.where((temperature > 0)[:, None], probs, greedy)
 
@@ -65,24 +67,25 @@ def draw_from(probs: jax.Array, u: jax.Array) -> jax.Array:
 
 
 def sample_draft(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
-                 seed: jax.Array, step: jax.Array) -> tuple[jax.Array, jax.Array]:
+                 seed: jax.Array, step: jax.Array, *, draw: str, cut: str) -> tuple[jax.Array, jax.Array]:
     """The draft model's proposals: (token [R], the distribution q it was drawn from [R, V]). An all-greedy batch
-    returns q = 0, which verification reads as "any q" (a greedy target accepts iff d is its argmax)."""
+    (`draw` "greedy") returns q = 0, which verification reads as "any q" (a greedy target accepts iff d is its
+    argmax)."""
     greedy = first_argmax(logits)
-
-    def sampled() -> tuple[jax.Array, jax.Array]:
-        q = probabilities(logits, temperature, top_k, top_p, min_p)
-        u = uniforms(row_keys(seed, step), DRAFT_STREAM)
-        return jnp.where(temperature > 0, draw_from(q, u), greedy), q
-
-    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: (greedy, jnp.zeros_like(logits)))
+    if draw == "greedy":
+        return greedy, jnp.zeros_like(logits)
+    q = probabilities(logits, temperature, top_k, top_p, min_p, draw=draw, cut=cut)
+    u = uniforms(row_keys(seed, step), DRAFT_STREAM)
+    return jnp.where(temperature > 0, draw_from(q, u), greedy), q
 
 
 def verify(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
-           seed: jax.Array, step: jax.Array, draft: jax.Array, q: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+           seed: jax.Array, step: jax.Array, draft: jax.Array, q: jax.Array | None, *, draw: str,
+           cut: str) -> tuple[jax.Array, jax.Array]:
     """Per row: (accepted [R] bool, emitted token [R]): the draft when accepted, else the row's own draw (from the
     residual after a rejected draft, from p where there was none). `draft` is -1 on rows without one; `q` [R, V]
-    holds each row's draft distribution, None for point-mass (n-gram) proposals."""
+    holds each row's draft distribution, None for point-mass (n-gram) proposals; `draw` ("greedy": no row samples)
+    and `cut` as in `sampling.draw_tokens`."""
     has = draft >= 0
     d = jnp.maximum(draft, 0)
     greedy = first_argmax(logits)
@@ -92,7 +95,7 @@ def verify(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
 
     def general() -> tuple[jax.Array, jax.Array]:
         keys = row_keys(seed, step)
-        p = probabilities(logits, temperature, top_k, top_p, min_p)
+        p = probabilities(logits, temperature, top_k, top_p, min_p, draw=draw, cut=cut)
         qd_full = jax.nn.one_hot(d, logits.shape[-1], dtype=p.dtype) if q is None else q
         p_d = jnp.take_along_axis(p, d[:, None], axis=-1)[:, 0]
         q_d = jnp.take_along_axis(qd_full, d[:, None], axis=-1)[:, 0]
@@ -100,10 +103,10 @@ def verify(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
         residual = jnp.maximum(p - qd_full, 0.0)
         residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p)
         u = uniforms(keys)
-        plain = jnp.where(temperature > 0, _draw(filtered_logits(logits, temperature, top_k, top_p, min_p), u),
-                          greedy)
+        plain = jnp.where(temperature > 0, draw_cdf(filtered_logits(logits, temperature, top_k, top_p, min_p,
+                                                                    draw=draw, cut=cut), u), greedy)
         own = jnp.where(has, draw_from(residual, u), plain)
         return accepted, own
 
-    accepted, own = jax.lax.cond(jnp.any(temperature > 0), general, all_greedy)
+    accepted, own = all_greedy() if draw == "greedy" else general()
     return accepted, jnp.where(accepted, d, own).astype(jnp.int32)

@@ -52,7 +52,7 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int) -> LLTokenizer:
     if isinstance(tokenizer, ByteTokenizer):
         return LLTokenizer(TokenizerWrapper(_ByteVocab(tokenizer, vocab_size)), n_vocab=vocab_size)
     if isinstance(tokenizer, HFTokenizer):
-        return LLTokenizer(tokenizer._tok.to_str(), n_vocab=vocab_size, eos_token=tokenizer.eos_token_ids)
+        return LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=tokenizer.eos_token_ids)
     raise GrammarError("structured outputs need the model's tokenizer")
 
 

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.kernels import kv_quant
 from jaxserve.kernels.cpu import library as cpu_kernels
-from jaxserve.model.attention import kv_quant
-from jaxserve.model.attention.metadata import AttentionMetadata
+from jaxserve.kernels.metadata import AttentionMetadata
 
 TARGET = "jaxserve_paged_attention"
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # the sizes `AttendAny` in attention.cc is built for

@@ -24,7 +24,7 @@ def supports(x: jax.Array, w: jax.Array) -> bool:
     """Whether the kernel can take x [T, in] @ w [in, ...]: float32 on a CPU, at most MAX_ROWS rows, whole
     16-float vectors of output columns."""
     out = w.size // max(1, w.shape[0])
-    return (jax.default_backend() == "cpu" and x.dtype == jnp.float32 and w.dtype == jnp.float32
+    return (x.dtype == jnp.float32 and w.dtype == jnp.float32
             and x.ndim == 2 and 1 <= x.shape[0] <= MAX_ROWS and out % 16 == 0 and cpu_kernels.available())
 
 
@@ -40,7 +40,7 @@ def cpu_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 def supports_nt(x: jax.Array, w: jax.Array) -> bool:
     """Whether the kernel can take x [T, K] @ w [N, K]^T: float32 on a CPU, at most MAX_ROWS rows, K in whole
     16-float vectors and N in whole groups of 4 rows."""
-    return (jax.default_backend() == "cpu" and x.dtype == jnp.float32 and w.dtype == jnp.float32
+    return (x.dtype == jnp.float32 and w.dtype == jnp.float32
             and x.ndim == 2 and w.ndim == 2 and 1 <= x.shape[0] <= MAX_ROWS and w.shape[1] % 16 == 0
             and w.shape[0] % 4 == 0 and cpu_kernels.available())
 
@@ -56,7 +56,7 @@ def supports_grouped(x: jax.Array, w: jax.Array) -> bool:
     """Whether the kernel can take the MoE tiles x [tiles * R, K] against experts w [E, K, ...]: float32 on a CPU,
     whole 16-float vectors of output columns."""
     out = w.size // max(1, w.shape[0] * w.shape[1])
-    return (jax.default_backend() == "cpu" and x.dtype == jnp.float32 and w.dtype == jnp.float32
+    return (x.dtype == jnp.float32 and w.dtype == jnp.float32
             and x.ndim == 2 and w.ndim >= 3 and out % 16 == 0 and cpu_kernels.available())
 
 

@@ -22,7 +22,7 @@ def supports(x: jax.Array, q: jax.Array) -> bool:
     """Whether the kernel can take x [T, in] @ codes q [in, ...]: float32 x and int8 q on a CPU, at most
     `cpu_matmul.MAX_ROWS` rows, output columns in whole tiles."""
     out = q.size // max(1, q.shape[0])
-    return (jax.default_backend() == "cpu" and x.dtype == jnp.float32 and q.dtype == jnp.int8
+    return (x.dtype == jnp.float32 and q.dtype == jnp.int8
             and x.ndim == 2 and 1 <= x.shape[0] <= MAX_ROWS and out % TILE == 0 and cpu_kernels.available())
 
 

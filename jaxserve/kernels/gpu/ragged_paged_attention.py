@@ -44,8 +44,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxserve.model.attention import kv_quant
-from jaxserve.model.attention.metadata import AttentionMetadata
+from jaxserve.kernels import kv_quant
+from jaxserve.kernels.metadata import AttentionMetadata
 
 try:  # deprecated since jax 0.11 and to be removed; without it `supports` is False and auto picks the reference
     from jax.experimental.pallas import triton as plgpu

@@ -161,7 +161,7 @@ def _calibrate(engine, cfg: CalibrationConfig, progress: Progress | None, seed: 
     say("GEMM rows", 0.1)
     weights = engine_mlp_weights(engine)  # the engine's own: int8/fp8 codes in a quantized engine
     gemm = measure_gemm_rows(cfg.gemm_rows, spec.hidden_size, 2 * spec.intermediate_size, engine.dtype,
-                             cpu_kernel=engine.runner.cpu_kernels, plan=engine.runner.kernel_plan,
+                             route=engine.runner.ops.matmul,
                              weight=weights[0] if engine.config.quantization else None)
     hw, device = local_hardware(bw, peak, planner_dtype(engine.dtype), weight_dtype=dtype)
     ids = PromptSource(engine, seed)
@@ -188,7 +188,7 @@ def _calibrate(engine, cfg: CalibrationConfig, progress: Progress | None, seed: 
     with step_budget(engine, cfg.mixed_chunk):
         samples += measure_mixed(engine, ids, decodes, prompt)
     page = engine.config.page_size
-    finest = smallest_chunk(engine.runner.attention, page)
+    finest = smallest_chunk(engine.runner.ops.attention, page)
     chunks = cfg.mixed_small_chunks or tuple(sorted({page, finest}, reverse=True))
     for chunk in chunks:
         say(f"engine mixed steps: {chunk}-token chunks over a long prompt", 0.88)
@@ -207,8 +207,7 @@ def _calibrate(engine, cfg: CalibrationConfig, progress: Progress | None, seed: 
     # not (docs/tuning.md). The one-row stream is kept as a measurement. A quantized engine's weights are its
     # codes, read by its own matmul (the int8 kernel converts them in registers, slower per byte than the float
     # kernel streams floats), so weight_bw_eff is then that matmul's rate, applied to the planner's byte a weight.
-    streams = measure_weight_streams(weights, cpu_kernel=engine.runner.cpu_kernels, plan=engine.runner.kernel_plan,
-                                     dtype=engine.dtype)
+    streams = measure_weight_streams(weights, route=engine.runner.ops.matmul, dtype=engine.dtype)
     stream, stream_rows = streams[1], streams[2]
     fixed = {"weight_bw_eff": float(np.clip(stream_rows / bw, 0.01, 1.5))}
     buckets = engine.runner.token_buckets

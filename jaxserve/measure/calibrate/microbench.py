@@ -4,7 +4,6 @@ and the `Hardware` they describe."""
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -13,9 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.kernels.cpu.kernel_plan import KernelPlan
 from jaxserve.model.llama import linear
+from jaxserve.model.ops import XLA_MATMULS, MatmulRoute
 from jaxserve.model.quantize import QuantizedWeight
+from jaxserve.platform.devices import device_description, host_memory_bytes, is_cpu, memory_limit
 from planner.hardware import CATALOG, GIGA, Hardware
 
 
@@ -46,14 +46,12 @@ def measure_matmul(n: int, dtype: Any, repeats: int = 3) -> float:
 
 
 def measure_gemm_rows(rows: tuple[int, ...], k: int, n: int, dtype: Any, repeats: int = 3,
-                      cpu_kernel: bool = False, plan: KernelPlan | None = None,
-                      weight: Any = None) -> list[dict[str, float]]:
-    """Time of x[M, k] @ W[k, n] per M (the model's fused gate/up shape) as the model runs it (`linear`, which
-    picks the CPU matmul by M; `cpu_kernel` and `plan`: the engine's, whether and at which row counts it uses
-    jaxserve's): achieved FLOP/s and bytes/s. `weight`: that matrix itself (a quantized engine's codes), else ones
-    in `dtype`."""
+                      route: MatmulRoute = XLA_MATMULS, weight: Any = None) -> list[dict[str, float]]:
+    """Time of x[M, k] @ W[k, n] per M (the model's fused gate/up shape) as the model runs it (`linear` by the
+    engine's matmul `route`): achieved FLOP/s and bytes/s. `weight`: that matrix itself (a quantized engine's
+    codes), else ones in `dtype`."""
     w = jnp.ones((k, n), dtype) if weight is None else weight
-    f = jax.jit(lambda x, w: linear(x, w, cpu_kernel, plan))
+    f = jax.jit(lambda x, w: linear(x, w, route))
     out = []
     for m in rows:
         x = jnp.ones((m, k), dtype)
@@ -64,15 +62,14 @@ def measure_gemm_rows(rows: tuple[int, ...], k: int, n: int, dtype: Any, repeats
 
 
 def measure_weight_streams(weights: list[Any], rows: tuple[int, ...] = (1, 2), repeats: int = 50,
-                           cpu_kernel: bool = False, plan: KernelPlan | None = None,
-                           dtype: Any = None) -> dict[int, float]:
+                           route: MatmulRoute = XLA_MATMULS, dtype: Any = None) -> dict[int, float]:
     """Weight bytes/s of each `rows` count of tokens through `weights` ([in, ...] arrays, together more than a
-    cache holds), as the model runs them (`linear`, with `cpu_kernel` and `plan` as the engine has them): a
+    cache holds), as the model runs them (`linear`, by the engine's matmul `route`): a
     decode's weight streaming. The row counts alternate and each keeps its median, so their ratio compares the
     two kernels in the same state of the machine. Fifty repeats keep that ratio steady where fewer let it wander
     (docs/tuning.md). `dtype`: the activations' (default the weights'; quantized weights' codes are not), and the
     bytes counted are the weights' own (a quantized weight's codes)."""
-    f = jax.jit(lambda x, ws: sum(linear(x, w, cpu_kernel, plan).sum() for w in ws))
+    f = jax.jit(lambda x, ws: sum(linear(x, w, route).sum() for w in ws))
     k = weights[0].shape[0]
     xs = {r: jnp.ones((r, k), dtype or weights[0].dtype) for r in rows}
     times: dict[int, list[float]] = {r: [] for r in rows}
@@ -106,15 +103,12 @@ def local_hardware(memory_bw: float, peak: float, dtype: str, weight_dtype: str 
     """A `Hardware` for the local device with measured peak (`dtype`'s GEMM) and bandwidth; links from the catalog
     if known. `weight_dtype` (int8, fp8 weights computed in `dtype`) gets the same peak."""
     dev = jax.devices()[0]
-    kind = str(getattr(dev, "device_kind", dev.platform))
+    platform, kind = device_description(dev)
     base = CATALOG["cpu"]
     for name, hw in CATALOG.items():
-        if name != "cpu" and name.split("-")[0] in kind.lower().replace(" ", ""):
+        if hw is not base and name.split("-")[0] in kind.lower().replace(" ", ""):
             base = hw
-    if dev.platform == "cpu":
-        memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    else:
-        memory = float((dev.memory_stats() or {}).get("bytes_limit", base.memory_bytes))
+    memory = host_memory_bytes() if is_cpu(dev) else (memory_limit(dev) or base.memory_bytes)
     peaks = {dtype: peak}
     if dtype in ("bf16", "fp16"):
         peaks = {"bf16": peak, "fp16": peak}
@@ -123,8 +117,8 @@ def local_hardware(memory_bw: float, peak: float, dtype: str, weight_dtype: str 
                "memory": f"measured by jaxserve calibrate: jitted streaming sum on {kind}; capacity from the device",
                "intra_node": f"from catalog entry {base.name!r}", "allreduce_latency": f"from catalog {base.name!r}",
                "inter_node": f"from catalog {base.name!r}"}
-    hw = Hardware(name=f"calibrated-{dev.platform}", peak_flops=peaks, memory_bytes=memory, memory_bw=memory_bw,
+    hw = Hardware(name=f"calibrated-{platform}", peak_flops=peaks, memory_bytes=memory, memory_bw=memory_bw,
                   intra_node_bw=base.intra_node_bw, allreduce_latency_s=base.allreduce_latency_s,
                   inter_node_bw=base.inter_node_bw, devices_per_node=max(1, jax.local_device_count()),
                   sources=sources, coefficients=base.coefficients)
-    return hw, f"{dev.platform}: {kind} x{jax.local_device_count()}"
+    return hw, f"{platform}: {kind} x{jax.local_device_count()}"

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.runner.decode_run import DecodeRunner
+from jaxserve.engine.loops import MultiStepLoop, SyncLoop
 from planner.step_model import StepShape, decode_shape, prefill_shape
 
 
@@ -46,11 +46,11 @@ def step_budget(engine, budget: int, chunk: int | None = None) -> Iterator[None]
 @contextmanager
 def one_step_dispatches(engine) -> Iterator[None]:
     """Within: one decode step a dispatch, so every timed `step()` is one step."""
-    several, engine.decode_runner = engine.decode_runner, None
+    own, engine.loop = engine.loop, SyncLoop(engine)
     try:
         yield
     finally:
-        engine.decode_runner = several
+        engine.loop = own
 
 
 def timed_step(engine) -> tuple[Any, float]:
@@ -186,13 +186,13 @@ def warm_engine(engine, ids: PromptSource, max_tokens: int = 256) -> None:
 def measure_dispatch_overhead(engine, ids: PromptSource, k: int = 4, tokens: int = 33, rounds: int = 3) -> float:
     """Host seconds per dispatch that k decode steps a dispatch save: one request's time per output token with
     one step a dispatch (t1) and with k (tk), alternating `rounds` times; (t1 - tk) / (1 - 1/k), medians."""
-    one_step, runner = engine.decode_runner, DecodeRunner(engine.runner, k)
-    runner.warmup()
+    own, loops = engine.loop, {False: SyncLoop(engine), True: MultiStepLoop(engine, k)}
+    loops[True].warmup()
     per_token: dict[bool, list[float]] = {False: [], True: []}
     try:
         for _ in range(rounds):
             for several in (False, True):
-                engine.decode_runner = runner if several else None
+                engine.loop = loops[several]
                 rid = ids.rid()
                 engine.add_request(rid, ids.prompt(engine.config.page_size), _params(tokens))
                 out = None
@@ -201,6 +201,6 @@ def measure_dispatch_overhead(engine, ids: PromptSource, k: int = 4, tokens: int
                 times = out.metrics.token_times
                 per_token[several].append((times[-1] - times[0]) / (len(times) - 1))
     finally:
-        engine.decode_runner = one_step
+        engine.loop = own
     t1, tk = (float(np.median(per_token[s])) for s in (False, True))
     return max(0.0, (t1 - tk) / (1 - 1 / k))

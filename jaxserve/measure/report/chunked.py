@@ -26,7 +26,7 @@ from jaxserve.measure.calibrate.steps import step_budget
 from jaxserve.measure.report.context import ReportConfig
 from jaxserve.measure.report.loads import predict_step_s
 from jaxserve.model.attention.backend import smallest_chunk
-from jaxserve.model.attention.select import finest_chunk
+from jaxserve.platform.attention_choice import finest_chunk
 from planner.api import choose_chunk_size, chunked_prefill_itls
 from planner.step_model import decode_shape, step_time_shape
 
@@ -84,7 +84,7 @@ def run_chunked(ctx) -> list[dict[str, Any]]:
     undisturbed = step_time_shape(ctx.spec, ctx.hw, decode_shape(d, context), **ctx.dtypes).total_ms
     target = 2 * undisturbed
     choice = choose_chunk_size(ctx.spec, ctx.hw, target, prompt_len=length, page_size=page,
-                               min_chunk=smallest_chunk(engine.runner.attention, page), **kw)
+                               min_chunk=smallest_chunk(engine.runner.ops.attention, page), **kw)
     # The runtime cuts chunks on page boundaries: give it a budget of whole pages plus the decodes, so every
     # step prefills exactly `per_step` tokens, as predicted (planner/NEEDS_FROM_BENCH.md, item 1).
     # It also pads a step to its token bucket, so the budget is the largest bucket within the planner's chunk.

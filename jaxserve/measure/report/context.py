@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxserve.config.engine import EngineConfig
-from jaxserve.runner.model_runner import half_octave_ladder
+from jaxserve.runner.buckets import half_octave_ladder
 from planner.serving import ServingConfig
 
 Log = Callable[[str], None]

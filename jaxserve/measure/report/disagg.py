@@ -33,6 +33,7 @@ from jaxserve.engine.pool_stats import overlap_fractions, pool_rates
 from jaxserve.measure.bench.datasets import DatasetConfig, generate
 from jaxserve.measure.bench.load import LoadConfig, run_engine
 from jaxserve.measure.report.context import error_pct, fmt, fmt_pct
+from jaxserve.platform.devices import device_description, is_cpu
 from planner.disaggregate import pool_balance
 from planner.step_model import StepShape, decode_shape, pad_tokens, prefill_shape, step_time_shape
 
@@ -73,9 +74,9 @@ def provide_devices(p: int, d: int) -> str:
     devices = jax.devices()
     if len(devices) < n:
         raise ValueError(f"--disagg {p}+{d} needs {n} devices; {len(devices)} visible")
-    platform = devices[0].platform
+    platform = device_description(devices[0])[0]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if platform == "cpu" and n > cores:
+    if is_cpu(devices[0]) and n > cores:
         raise ValueError(f"--disagg {p}+{d} needs {n} CPU devices but this machine has {cores} cores "
                          "(fake devices beyond the cores would only share them)")
     return platform
@@ -124,7 +125,8 @@ def run_disagg(ctx) -> list[dict[str, Any]]:
     completed = sum(r.success for r in run.records)
     config = {"pools": f"{p}+{d}", "prefill_devices": p, "decode_devices": d, "input_len": n_in,
               "output_len": n_out, "num_prompts": cfg.disagg_num_prompts, "max_num_seqs": cfg.disagg_max_num_seqs,
-              "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind}
+              "platform": device_description(jax.devices()[0])[0], "device_kind": jax.devices()[0].device_kind,
+              "cpu": is_cpu(jax.devices()[0])}
     pool_extra = {pool: {"steps": c[f"{pool}_steps"], "busy_seconds": busy[pool],
                          "busy_fraction": busy[pool] / run.duration, "measured_step_ms": rates[f"{pool}_step_ms"],
                          **checks[pool]} for pool in busy}
@@ -229,7 +231,7 @@ def markdown(report: dict[str, Any]) -> list[str]:
         lines.append(f"| {name} | {_pct0(r['overlap_fraction'])} | {r['alone_steps']} | "
                      f"{fmt(r['alone_over_predicted'], '.2f')} | {r['shared_steps']} | "
                      f"{fmt(r['shared_over_predicted'], '.2f')} |")
-    if c["platform"] == "cpu":
+    if c.get("cpu"):
         lines += ["", "On CPU the pools are fake devices sharing the same cores, so a step that runs beside the other "
                   "pool's is slower than the single-device calibration it is predicted from. The planner assumes "
                   "separate devices: on CPU the measured capacities are expected below the predicted ones, and "

@@ -79,8 +79,8 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
               "coefficients": hw.coefficients.to_dict(), "calibration": calibration,
               "engine": {"max_num_seqs": engine.config.max_num_seqs, "step_budget": cfg.budget,
                          "page_size": engine.config.page_size, "token_buckets": list(engine.runner.token_buckets),
-                         "attention_backend": engine.runner.attention.name,
-                         "cpu_kernels": (engine.runner.kernel_plan.describe() if engine.runner.kernel_plan
+                         "attention_backend": engine.runner.ops.attention.name,
+                         "cpu_kernels": (engine.runner.ops.matmul.plan.describe() if engine.runner.ops.matmul.plan
                                          else None)},
               "config": asdict(cfg), "rows": rows, "summary": summary, "reference_steps": probes,
               "seconds": time.monotonic() - t0, "date": time.strftime("%Y-%m-%d %H:%M:%S")}

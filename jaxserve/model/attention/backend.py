@@ -23,7 +23,7 @@ from typing import Protocol
 
 import jax
 
-from jaxserve.model.attention.metadata import AttentionMetadata
+from jaxserve.kernels.metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):

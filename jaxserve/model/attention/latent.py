@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import jax
 
+from jaxserve.kernels.metadata import AttentionMetadata
 from jaxserve.model.attention.backend import AttentionBackend
-from jaxserve.model.attention.metadata import AttentionMetadata
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxserve.model.attention import kv_quant
-from jaxserve.model.attention.metadata import AttentionMetadata
+from jaxserve.kernels import kv_quant
+from jaxserve.kernels.metadata import AttentionMetadata
 
 # KV tokens per inner block (rounded to whole pages) and query rows per prefill block.
 DEFAULT_KV_BLOCK = 256

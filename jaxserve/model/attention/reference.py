@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import jax
 
-from jaxserve.model.attention.metadata import AttentionMetadata
+from jaxserve.kernels.metadata import AttentionMetadata
 from jaxserve.model.attention.paged_attention import (
     ACCELERATOR_KV_BLOCK,
     ACCELERATOR_Q_BLOCKS,
@@ -57,7 +57,3 @@ CPU_TUNING = ReferenceAttention()
 ACCELERATOR_TUNING = ReferenceAttention(kv_block=ACCELERATOR_KV_BLOCK, q_block_sizes=ACCELERATOR_Q_BLOCKS,
                                         decode_mode="batched", wide_blocks=False)
 
-
-def reference_for(platform: str) -> ReferenceAttention:
-    """The reference backend tuned for `platform` ("cpu", or an accelerator's: "gpu", "cuda", "tpu", ...)."""
-    return CPU_TUNING if platform == "cpu" else ACCELERATOR_TUNING

@@ -1,4 +1,4 @@
-"""One engine step with speculative decoding: propose, schedule, verify in the ragged step, keep what was accepted.
+"""The speculative loop: propose, schedule, verify in the ragged step, keep what was accepted.
 
 Every decoding request with room proposes up to k tokens (`spec_token_ids`); the scheduler gives it 1 + drafts
 query rows (cut to the step's token budget and the free pages) beside the other sequences' decodes and prefill
@@ -8,7 +8,7 @@ length ends after its last accepted token, its pages past that are freed, and th
 inserts computed pages, never sees a rejected token.
 
 Steps run synchronously, one dispatch at a time: the engine config refuses speculation together with
-`async_scheduling` or `num_scheduler_steps` > 1.
+`async_scheduling` or `num_scheduler_steps` > 1. The proposers and the verifier live in jaxserve/spec_decode/.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from jaxserve.config.speculative import SpeculativeConfig
 from jaxserve.core.batch import RaggedBatch
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.request import RequestStatus
+from jaxserve.engine.loops.base import StepLoop
 from jaxserve.runner.model_runner import StepResult
 from jaxserve.spec_decode.draft import DraftProposer
 from jaxserve.spec_decode.ngram import NgramProposer, draft_room
@@ -43,22 +44,16 @@ class SpecCounters:
         return out
 
 
-def spec_k(config) -> int:
-    """Drafts a sequence may verify per step under an EngineConfig (0 without speculation)."""
-    return config.speculative_config.num_speculative_tokens if config.speculative_config else 0
+class SpeculativeLoop(StepLoop):
+    """Speculative decoding's steps: owns the proposer and the verifier; uses the engine's scheduler and outputs."""
 
+    name = "speculative"
 
-def spec_metrics(req) -> dict[str, int]:
-    """A request's speculative totals, as `RequestMetrics` fields."""
-    return {"spec_num_steps": req.spec_num_steps, "spec_num_draft_tokens": req.spec_num_draft_tokens,
-            "spec_num_accepted_tokens": req.spec_num_accepted_tokens}
-
-
-class SpeculativeDecoder:
-    """The engine's speculative step: owns the proposer and the verifier; uses the engine's scheduler and outputs."""
-
-    def __init__(self, engine, config: SpeculativeConfig, target_spec, num_pages: int) -> None:
-        self.engine, self.config = engine, config
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        config: SpeculativeConfig = engine.config.speculative_config
+        target_spec, num_pages = engine.spec, engine.num_pages
+        self.config = config
         k = self.k = config.num_speculative_tokens
         tp = engine.config.tensor_parallel_size
         if config.draft_tensor_parallel_size not in (None, tp):
@@ -72,8 +67,7 @@ class SpeculativeDecoder:
                                  vocab_size=target_spec.vocab_size)
         self.counters = SpecCounters(accepted_per_pos=[0] * k)
 
-    @staticmethod
-    def check(params) -> None:
+    def check(self, params) -> None:
         """ValueError for what the verify step does not apply: logits processing (penalties, bias, bans, grammars)
         and prompt logprobs."""
         if getattr(params, "needs_processing", False):  # runner/logits_processing.py's features
@@ -93,9 +87,10 @@ class SpeculativeDecoder:
     def stats(self) -> dict[str, float]:
         return self.counters.as_stats()
 
-    def step(self, start: float) -> list[RequestOutput]:
-        """One synchronous step (the engine's `step()` with speculation configured)."""
+    def step(self) -> list[RequestOutput]:
+        """One synchronous step: propose, verify, commit."""
         eng = self.engine
+        start = eng.clock()
         sched = eng.scheduler
         if self.ngram is not None:
             self.ngram.prepare(sched.running, eng.max_model_len)
@@ -105,21 +100,17 @@ class SpeculativeDecoder:
         batch = sched.schedule()  # a request left out keeps stale proposals, replaced before its next schedule
         if batch is None:
             return []
-        now = eng.clock()
-        seeds = []
-        for req in batch.requests:
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-            seeds.append(eng._tracked[req.request_id].seed)
         compiles = eng.compile_count()
         if self.draft is None and not np.any(batch.num_drafts):  # lookup found nothing: a plain step's own path
-            sampling = eng._sampling_for(batch, eng.runner)
+            sampling = eng.sampling_for(batch)
             plain = eng.runner.execute(batch, sampling)
             no = np.zeros(len(plain.tokens), bool)
             result = VerifyResult(no, plain.tokens, plain.logprobs, plain.top_ids, plain.top_logprobs)
             outputs = self._commit(batch, result)
-            eng._record_step(batch, start, eng.compile_count() > compiles)
+            eng.record_step(batch, start, eng.compile_count() > compiles)
             return outputs
+        eng.stamp_scheduled(batch)
+        seeds = [eng.seed_of(req.request_id) for req in batch.requests]
         q_flat, q_index = None, np.zeros(len(batch.logits_indices), np.int32)
         if self.draft is not None:
             q_flat, q_index = self.draft.propose(batch, seeds, set(sched.requests))
@@ -132,7 +123,7 @@ class SpeculativeDecoder:
         result = self.verifier.execute(batch, sampling, d, qi, q_flat)
         compiled = eng.compile_count() > compiles
         outputs = self._commit(batch, result)
-        eng._record_step(batch, start, compiled)
+        eng.record_step(batch, start, compiled)
         return outputs
 
     def _commit(self, batch: RaggedBatch, result) -> list[RequestOutput]:
@@ -158,21 +149,19 @@ class SpeculativeDecoder:
             self._count(n, accepted)
             if self.draft is not None:
                 self.draft.after_verify(req.request_id, start, n, accepted)
-            tracked = eng._tracked[req.request_id]
             req.spec_num_steps += int(n > 0)
             req.spec_num_draft_tokens += n
             req.spec_num_accepted_tokens += accepted
+            out = None
             for j in range(accepted + 1):
                 sched.record_token(req, int(result.tokens[first + j]))
-                try:
-                    out = eng._postprocess(tracked, per_token, first + j, now)
-                except Exception as e:  # one request's failure (e.g. detokenizing) must not stop the others
-                    out = eng._fail(tracked, f"internal error: {type(e).__name__}: {e}")
-                if out.finished:
+                out = eng.emit(req, per_token, first + j, now)
+                if out is None or out.finished:
                     break
             else:
                 kv.trim(req)
-            outputs.append(out)
+            if out is not None:
+                outputs.append(out)
         return outputs
 
     def _count(self, n: int, accepted: int) -> None:

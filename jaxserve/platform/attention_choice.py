@@ -1,5 +1,5 @@
-"""The one place an attention backend is chosen: at start-up, from the engine's `--attention-backend` and what
-the device, dtype and shapes allow. Nothing on the step path looks at the platform again.
+"""How the platform policy chooses the attention backend: at start-up, from the engine's `--attention-backend` and
+what the device, dtype and shapes allow. Nothing on the step path looks at the platform again.
 
 - auto: on a CPU, the C++ kernel where it can run (float32, a head dimension it is built for, the kernels built,
   one device), else the reference with a CPU's tuning; on a GPU, the Pallas kernel where it can run (see
@@ -17,12 +17,12 @@ import jax.numpy as jnp
 
 from jaxserve.config.engine import ATTENTION_BACKENDS
 from jaxserve.kernels.cpu import attention as cpu_attention
-from jaxserve.kernels.cpu.attention_backend import CpuKernelAttention
 from jaxserve.kernels.gpu import ragged_paged_attention as pallas
 from jaxserve.kernels.gpu.ragged_paged_attention import PallasAttention
+from jaxserve.kernels.kv_quant import kv_kind as kv_kind  # the runner asks its pool here
 from jaxserve.model.attention.backend import AttentionBackend
-from jaxserve.model.attention.kv_quant import kv_kind as kv_kind  # the runner asks its pool here
-from jaxserve.model.attention.reference import ACCELERATOR_TUNING, CPU_TUNING, reference_for
+from jaxserve.model.attention.cpu_kernel import CpuKernelAttention
+from jaxserve.model.attention.reference import ACCELERATOR_TUNING, CPU_TUNING, ReferenceAttention
 
 logger = logging.getLogger(__name__)
 
@@ -92,12 +92,9 @@ def select_backend(name: str, platform: str, dtype: jnp.dtype, head_dim: int, pa
     return PallasAttention()
 
 
-def auto_backend(dtype: jnp.dtype, head_dim: int, page_size: int, cpu_kernels: bool = True,
-                 kv_cache_dtype: str = "auto") -> AttentionBackend:
-    """What `auto` picks on this process's default platform, for callers that run the model without an engine
-    (tests, scripts): the same choice, made where the model is traced."""
-    return select_backend("auto", jax.default_backend(), dtype, head_dim, page_size, cpu_kernels=cpu_kernels,
-                          kv_cache_dtype=kv_cache_dtype)
+def reference_for(platform: str) -> ReferenceAttention:
+    """The reference backend tuned for `platform` ("cpu", or an accelerator's: "gpu", "cuda", "tpu", ...)."""
+    return CPU_TUNING if platform == "cpu" else ACCELERATOR_TUNING
 
 
 def finest_chunk(page_size: int) -> int:

@@ -10,6 +10,7 @@ the sources, flags, compiler, jaxlib and CPU), per model shape and thread count,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -31,12 +32,18 @@ from jaxserve.kernels.cpu import matmul_int8 as cpu_matmul_int8
 from jaxserve.kernels.cpu.kernel_plan import KernelPlan
 from jaxserve.model.llama import linear
 from jaxserve.model.moe import MoE, grouped_experts
+from jaxserve.model.ops import MatmulRoute
 from jaxserve.model.quantize import QuantizedWeight
 from modelspec.moe_tiles import DECODE_TILE_MAX
 
 logger = logging.getLogger(__name__)
 
 NO_KERNEL = KernelPlan("", frozenset(), frozenset())  # a plan that gives every row count to XLA
+# XLA's own dots as a CPU step runs them: Eigen for 2-16-row GEMMs (x transposed), quantized weights converted in
+# step order (docs/tuning.md, docs/quantization.md).
+CPU_XLA_ROUTE = MatmulRoute(transposed_rows=(2, 16), step_order_converts=True, moe_tiles_in_use=True)
+# jaxserve's C++ matmuls wherever they take the shapes, XLA's CPU path elsewhere.
+CPU_KERNEL_ROUTE = dataclasses.replace(CPU_XLA_ROUTE, cpu_kernel=True)
 REPEATS = 5  # alternating rounds of the two paths per row count; each keeps its median
 
 
@@ -90,9 +97,9 @@ def _supports(x: jax.ShapeDtypeStruct, w: jax.Array | QuantizedWeight) -> bool:
 def _measure_matmuls(weights: list[jax.Array], rows: Sequence[int], repeats: int,
                      dtype: jnp.dtype = jnp.float32) -> dict[str, list[float]]:
     """[kernel, XLA] seconds per row count for all of `weights`, each as `linear` runs it."""
-    # XLA's side as the engine runs it where the plan declines the kernel (a CPU step's path, not cpu_kernel=False)
-    kernel, xla = (jax.jit(lambda xs, ws, p=p: [linear(xs[w.shape[0]], w, True, p) for w in ws])
-                   for p in (None, NO_KERNEL))
+    # XLA's side as the engine runs it where the plan declines the kernel
+    kernel, xla = (jax.jit(lambda xs, ws, r=r: [linear(xs[w.shape[0]], w, r) for w in ws])
+                   for r in (CPU_KERNEL_ROUTE, dataclasses.replace(CPU_KERNEL_ROUTE, plan=NO_KERNEL)))
     inputs = {w.shape[0] for w in weights}
     return {str(r): time_pair(kernel, xla, ({n: jnp.ones((r, n), dtype) for n in inputs}, weights),
                               repeats) for r in rows}
@@ -101,8 +108,8 @@ def _measure_matmuls(weights: list[jax.Array], rows: Sequence[int], repeats: int
 def _measure_head(model: Any, rows: Sequence[int], repeats: int) -> dict[str, list[float]]:
     """[kernel, XLA] seconds per row count of the model's LM head, as `compute_logits` runs it."""
     graphdef, state = nnx.split(model)
-    kernel, xla = (jax.jit(lambda s, h, k=k: nnx.merge(graphdef, s).compute_logits(h, cpu_kernel=k))
-                   for k in (True, False))
+    kernel, xla = (jax.jit(lambda s, h, r=r: nnx.merge(graphdef, s).compute_logits(h, r))
+                   for r in (CPU_KERNEL_ROUTE, CPU_XLA_ROUTE))
     hidden, dtype = model.embed.shape[1], model.embed[...].dtype
     return {str(r): time_pair(kernel, xla, (state, jnp.ones((r, hidden), dtype)), repeats) for r in rows}
 
@@ -113,7 +120,7 @@ def _measure_moe(layers: list[MoE], rows: Sequence[int], repeats: int,
     random routing (each token to top_k distinct experts)."""
     if not rows:
         return {}
-    mm = lambda a, w: linear(a, w.reshape(w.shape[0], -1))  # noqa: E731
+    mm = lambda a, w: linear(a, w.reshape(w.shape[0], -1), CPU_XLA_ROUTE)  # noqa: E731
     experts = [(m.experts_gate_up[...], m.experts_down[...]) for m in layers]
     kernel, xla = (jax.jit(lambda x, ids, ws, ex, g=g: [grouped_experts(x, ids, ws, gu, dn, mm, g) for gu, dn in ex])
                    for g in (cpu_matmul.cpu_grouped_matmul, None))

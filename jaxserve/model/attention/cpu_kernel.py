@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import jax
 
 from jaxserve.kernels.cpu import attention as cpu_attention
-from jaxserve.model.attention.metadata import AttentionMetadata
+from jaxserve.kernels.metadata import AttentionMetadata
 from jaxserve.model.attention.paged_attention import DEFAULT_Q_BLOCKS
 
 

@@ -1,0 +1,44 @@
+"""The platform policy: every device-dependent choice made once at start-up, from the platform alone (given the
+attention backend), and what the engine does with it."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from jaxserve import LLM
+from jaxserve.model.attention.reference import ACCELERATOR_TUNING, CPU_TUNING
+from jaxserve.model.ops import XLA_MATMULS
+from jaxserve.platform.kernel_choice import CPU_XLA_ROUTE
+from jaxserve.platform.policy import default_dtype, policy_for
+from tests.conftest import TINY_ENGINE_ARGS
+
+
+def test_a_cpu_searches_its_cut_runs_wide_steps_alone_and_keeps_the_synchronous_loop():
+    cpu = policy_for("cpu", CPU_TUNING)
+    assert cpu.sampler_cut == "search" and cpu.ops.matmul == CPU_XLA_ROUTE
+    assert cpu.overlaps(8) and not cpu.overlaps(9)
+    assert not cpu.async_by_default and cpu.token_buckets((1, 2, 4, 16)) == (1, 2, 4, 16)
+    assert cpu.compiler_options(2048) is None and cpu.compiler_options(4096)  # separate dots on the widest
+    assert default_dtype("cpu") == jnp.float32
+
+
+@pytest.mark.parametrize("platform", ["gpu", "cuda", "rocm"])
+def test_a_gpu_sorts_overlaps_every_step_and_pads_steps_to_eight_rows(platform):
+    gpu = policy_for(platform, ACCELERATOR_TUNING)
+    assert gpu.sampler_cut == "sort" and gpu.ops.matmul == XLA_MATMULS and not gpu.ops.matmul.moe_tiles_in_use
+    assert gpu.overlaps(10**6) and gpu.async_by_default
+    assert gpu.token_buckets((1, 2, 4, 8, 16, 64)) == (8, 16, 64)
+    assert gpu.compiler_options(10**6) is None and default_dtype(platform) == jnp.bfloat16
+
+
+def test_the_engine_takes_its_loop_and_buckets_from_the_policy(tiny_llm: LLM):
+    engine = tiny_llm.engine
+    assert engine.policy.platform == "cpu" and engine.loop.name == "synchronous"
+    assert engine.config.async_scheduling is False  # unset: the CPU's default, resolved at start-up
+    assert engine.runner.policy is engine.policy and engine.runner.ops is engine.policy.ops
+
+
+def test_an_explicit_loop_wins_over_the_platforms_default():
+    llm = LLM(model="tiny", async_scheduling=True, warmup=False, **TINY_ENGINE_ARGS)
+    assert llm.engine.loop.name == "overlapped"
