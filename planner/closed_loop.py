@@ -187,10 +187,12 @@ def lockstep_loop(m: StepCosts, clients: int) -> LoopResult:
         unsettled = ttft
     else:
         ttft, unsettled, tpot, itl, regime, sizes = _settled_mixed(m, n, last)
+    k = m.wl.num_prompts
+    if k is None:  # a steady state measured on real hardware: settling needs every step to repeat exactly, which
+        ttft = unsettled  # noise undoes; it stays in the first wave's groups (NIM's windows, docs/planner.md)
     cycle = float(np.mean(ttft)) + (out - 1) * float(np.mean(tpot))
     rate = n / cycle
     extra = max(0.0, clients - n) / rate
-    k = m.wl.num_prompts
     # The run as a benchmark measures it: the first wave, then waves in which the prompts still chain into one
     # stream, settling one cohort a wave from the front (the first cohort alone has an idle step before it).
     if k is not None:

@@ -55,9 +55,24 @@ class Coefficients:
     # Host seconds per dispatch (scheduling, input and output copies) within step_overhead_s: a run of k decode
     # steps in one dispatch pays it once, so each of its steps costs (1 - 1/k) x this less.
     dispatch_overhead_s: float = 0.0
+    # A mixture-of-experts layer's grouped GEMMs run apart from dense ones: their FLOP rate and their weight-read
+    # rate relative to compute_eff and weight_bw_eff (1: as dense layers; the GPU entries carry the published
+    # mature engines', MOE_TUNED; `with_moe_kernels(hw, "untuned")` divides them by MOE_UNTUNED's factors).
+    moe_compute_eff_scale: float = 1.0
+    moe_weight_bw_eff_scale: float = 1.0
 
     def to_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
+
+
+# The MoE priors (`moe_compute_eff_scale`, `moe_weight_bw_eff_scale`), as fractions of the dense efficiencies.
+# MOE_TUNED: every GPU catalog entry's, set once from mature engines' published MoE runs (docs/planner.md, "MoE
+# efficiency"). MOE_UNTUNED: what an engine whose MoE kernels are not tuned for the device loses on top, from the
+# published kernel comparisons cited there (compute: AITER's fused MoE over ROCm's generic Triton path, up to 3x;
+# weights: vLLM's default-config fused MoE against a tuned one at decode sizes, 1.6x).
+MOE_TUNED = {"moe_compute_eff_scale": 1.0, "moe_weight_bw_eff_scale": 1.0}
+MOE_UNTUNED = {"moe_compute_eff_scale": 1 / 3, "moe_weight_bw_eff_scale": 1 / 1.6}
+MOE_KERNELS = ("tuned", "untuned")
 
 
 COEFFICIENT_DOCS: dict[str, str] = {
@@ -83,6 +98,10 @@ COEFFICIENT_DOCS: dict[str, str] = {
                             "other GEMM",
     "head_small_eff_scale": "the same for the LM head over at most 32 sequences (a memory-bound pass over the "
                             "embedding whose FLOPs cost little on top); 0: as the other small GEMMs",
+    "moe_compute_eff_scale": "FLOP efficiency of the experts' grouped GEMMs as a fraction of compute_eff (GPU "
+                             "catalog: MOE_TUNED; 1 = as dense GEMMs)",
+    "moe_weight_bw_eff_scale": "weight-read efficiency of the experts as a fraction of weight_bw_eff (GPU catalog: "
+                               "MOE_TUNED; 1 = as dense weights)",
     "gemv_speedup": "weight-read rate of a one-row matmul over that of a few-row one (weight_bw_eff's): a CPU "
                     "runs one row through a GEMV kernel that streams ~1.3x faster than its 2-16-row GEMMs; calibrate "
                     "fits it from one-decode steps; 1 on GPUs unless calibrated",
@@ -149,7 +168,7 @@ def _hw(name: str, *, bf16: float, fp8: float | None, int8: float | None, fp32: 
         peaks["int8"] = int8 * TERA
     return Hardware(name=name, peak_flops=peaks, memory_bytes=mem_gb * GIGA, memory_bw=bw_tbs * TERA,
                     intra_node_bw=link_gbs * GIGA, allreduce_latency_s=ar_us * 1e-6, inter_node_bw=inter_gbs * GIGA,
-                    devices_per_node=per_node, sources=sources, coefficients=coefficients or Coefficients())
+                    devices_per_node=per_node, sources=sources, coefficients=coefficients or Coefficients(**MOE_TUNED))
 
 
 _AR_NCCL = "all-reduce latency: NCCL small-message figures on 8xH100 NVLink (30-40 us; custom all-reduce ~10 us)"
@@ -319,3 +338,14 @@ def load_hardware(hardware: str | Path | Hardware) -> Hardware:
 def save_profile(hw: Hardware, path: str | Path) -> None:
     """Write `hw` as a profile JSON (what `jaxserve calibrate` does after fitting coefficients)."""
     Path(path).write_text(json.dumps(hw.to_profile(), indent=2) + "\n")
+
+
+def with_moe_kernels(hw: Hardware, kernels: str) -> Hardware:
+    """`hw` as priced for an engine whose MoE kernels are `kernels` ("tuned": as is; "untuned": its MoE
+    efficiencies divided by MOE_UNTUNED's factors)."""
+    if kernels not in MOE_KERNELS:
+        raise HardwareError(f"unknown MoE kernels {kernels!r}; choose from {', '.join(MOE_KERNELS)}")
+    if kernels == "tuned":
+        return hw
+    c = hw.coefficients
+    return hw.with_coefficients(**{k: getattr(c, k) * f for k, f in MOE_UNTUNED.items()})

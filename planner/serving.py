@@ -74,7 +74,11 @@ class ServingPrediction:
             return "overloaded: the offered load exceeds what this configuration can sustain"
         kind = d.bottleneck.replace("_", " ")
         s = f"decode steps are {kind}-bound ({d.terms[d.bottleneck] / d.total_s:.0%} of {d.total_ms:.1f} ms)"
-        if self.load > 0.8:
+        waves = self.extra.get("closed_loop")
+        if waves:
+            s += (f"; the clients move in waves ({waves}): a prompt's TTFT holds the prompts sent with it"
+                  if waves != "prefill-bound" else "; the clients' prompts keep every step busy: TTFT is their queue")
+        elif self.load > 0.8:
             s += f"; at {self.load:.0%} of capacity, queueing dominates TTFT"
         return s
 
@@ -294,6 +298,7 @@ def _lockstep_prediction(m: StepCosts, loop: LoopResult, cap: float, ttft_slo_ms
     if tpot_slo_ms is not None:
         ok &= loop.tpot * 1e3 <= tpot_slo_ms
     lam = loop.requests_per_s
+    cap = max(cap, lam)  # waves keep the engine busier than spread-out arrivals can
     return ServingPrediction(
         ttft=Dist.of(loop.ttft), tpot=Dist.of(loop.tpot), itl=Dist.of(loop.itl),
         e2e_ms=float(np.mean(loop.ttft + loop.tpot * max(wl.output_len - 1, 0))) * 1e3,
