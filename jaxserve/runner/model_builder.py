@@ -36,6 +36,7 @@ from jaxserve.runner.parallel import (
     shard_model,
 )
 from modelspec.memory import GIB, activation_bytes, kv_bytes_per_token, kv_pool_pages, weight_bytes_per_device
+from modelspec.memory import kv_budget_bytes as kv_budget
 from modelspec.spec import ModelSpec, resolve_model_path
 
 CPU_DEFAULT_KV_BYTES = 1 * GIB
@@ -81,10 +82,11 @@ def kv_budget_bytes(config: EngineConfig, spec: ModelSpec, dtype_name: str,
         return float(config.kv_cache_memory)
     device = device or jax.devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and "bytes_limit" in stats:
+    if stats and "bytes_limit" in stats:  # the device's memory as XLA's allocator holds it, the planner's formula
         tp = config.tensor_parallel_size
-        free = (stats["bytes_limit"] * config.gpu_memory_utilization - weight_bytes_per_device(spec, dtype_name, tp)
-                - activation_bytes(spec, config.max_num_batched_tokens, config.max_num_seqs, dtype_name, tp))
+        free = kv_budget(stats["bytes_limit"], config.gpu_memory_utilization,
+                         weight_bytes_per_device(spec, config.quantization or dtype_name, tp),
+                         activation_bytes(spec, config.max_num_batched_tokens, config.max_num_seqs, dtype_name, tp))
         if free <= 0:
             raise ValueError(f"{spec.name} leaves no memory for the KV cache at "
                              f"gpu_memory_utilization={config.gpu_memory_utilization}")
