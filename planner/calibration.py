@@ -95,9 +95,11 @@ def unit_terms(spec: ModelSpec, hw: Hardware, shape: StepShape, *, tp: int = 1, 
     for op in op_costs(spec, shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype, padded_tokens=padded_tokens):
         n = op.count
         if op.name == EXPERTS:
-            op = dataclasses.replace(op, flops=op.flops / moe.moe_compute_eff_scale,
-                                     weight_bytes=op.weight_bytes / moe.moe_weight_bw_eff_scale,
-                                     act_bytes=op.act_bytes / moe.moe_weight_bw_eff_scale)
+            w = spec.moe_intermediate_size / tp
+            width = w / (w + moe.moe_width_half)
+            op = dataclasses.replace(op, flops=op.flops / (moe.moe_compute_eff_scale * width),
+                                     weight_bytes=op.weight_bytes / (moe.moe_weight_bw_eff_scale * width),
+                                     act_bytes=op.act_bytes / (moe.moe_weight_bw_eff_scale * width))
         if op.flops and small_gemms and is_small_gemm(op):
             out["head_small" if op.name == LM_HEAD else "gemm_small"] += op.flops * n / peak
         elif op.flops:

@@ -61,6 +61,10 @@ class Coefficients:
     # mature engines', MOE_TUNED; `with_moe_kernels(hw, "untuned")` divides them by MOE_UNTUNED's factors).
     moe_compute_eff_scale: float = 1.0
     moe_weight_bw_eff_scale: float = 1.0
+    # ... both times W / (W + moe_width_half), W an expert's GEMM width on one device (moe_intermediate_size / tp):
+    # fine-grained experts split over many devices (DeepSeek-V3's 2048 over 8: 256) fill a GEMM's tiles poorly.
+    # 0: no such term.
+    moe_width_half: float = 0.0
 
     def to_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
@@ -71,7 +75,7 @@ class Coefficients:
 # efficiency"). MOE_UNTUNED: what an engine whose MoE kernels are not tuned for the device loses on top, from the
 # published kernel comparisons cited there (compute: AITER's fused MoE over ROCm's generic Triton path, up to 3x;
 # weights: vLLM's default-config fused MoE against a tuned one at decode sizes, 1.6x).
-MOE_TUNED = {"moe_compute_eff_scale": 1.0, "moe_weight_bw_eff_scale": 1.0}
+MOE_TUNED = {"moe_compute_eff_scale": 0.4, "moe_weight_bw_eff_scale": 1.0, "moe_width_half": 256.0}
 MOE_UNTUNED = {"moe_compute_eff_scale": 1 / 3, "moe_weight_bw_eff_scale": 1 / 1.6}
 MOE_KERNELS = ("tuned", "untuned")
 
@@ -103,6 +107,8 @@ COEFFICIENT_DOCS: dict[str, str] = {
                              "catalog: MOE_TUNED; 1 = as dense GEMMs)",
     "moe_weight_bw_eff_scale": "weight-read efficiency of the experts as a fraction of weight_bw_eff (GPU catalog: "
                                "MOE_TUNED; 1 = as dense weights)",
+    "moe_width_half": "an expert's GEMM width per device (moe_intermediate_size / tp) at which both MoE efficiencies "
+                      "halve: W / (W + moe_width_half); 0 = none",
     "gemv_speedup": "weight-read rate of a one-row matmul over that of a few-row one (weight_bw_eff's): a CPU "
                     "runs one row through a GEMV kernel that streams ~1.3x faster than its 2-16-row GEMMs; calibrate "
                     "fits it from one-decode steps; 1 on GPUs unless calibrated",

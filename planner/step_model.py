@@ -291,6 +291,8 @@ def time_ops(ops: Sequence[OpCost], spec: ModelSpec, shape: StepShape, hw: Hardw
     compute = weight = kv = comm = ideal_comm = 0.0
     flops = nbytes = 0.0
     # Small chunks' pairs at their own efficiency where the profile has one, else as all others.
+    width = spec.moe_intermediate_size / tp if spec.is_moe else 0.0
+    moe_width = width / (width + c.moe_width_half) if width > 0 else 1.0  # an expert's GEMM width per device
     attn_scale = {"attention": c.attn_eff_scale,
                   ATTENTION_SMALL: c.attn_small_eff_scale if c.attn_small_eff_scale > 0 else c.attn_eff_scale}
     for op in ops:
@@ -308,11 +310,11 @@ def time_ops(ops: Sequence[OpCost], spec: ModelSpec, shape: StepShape, hw: Hardw
                 eff = c.compute_eff * (op.gemm_rows / (op.gemm_rows + c.gemm_m_half) if op.gemm_rows else 1.0)
                 eff *= attn_scale.get(op.name, 1.0)
             if op.name == EXPERTS:
-                eff *= c.moe_compute_eff_scale
+                eff *= c.moe_compute_eff_scale * moe_width
             compute += op.flops * n / (peak * eff)
         w_eff = c.weight_bw_eff * (c.gemv_speedup if op.gemm_rows == 1 else 1.0)
         if op.name == EXPERTS:
-            w_eff *= c.moe_weight_bw_eff_scale
+            w_eff *= c.moe_weight_bw_eff_scale * moe_width
         weight += (op.weight_bytes + op.act_bytes) * n / (hw.memory_bw * w_eff)
         kv += op.kv_bytes * n / (hw.memory_bw * c.kv_bw_eff)
         for _ in range(op.collectives):
