@@ -102,12 +102,17 @@ class MemoryPlan:
     page_size: int
 
     @property
+    def usable_pages(self) -> int:
+        """Pages sequences can hold: the pool less its page 0, which the runtime (as vLLM its null block) keeps."""
+        return max(0, self.num_pages - 1)
+
+    @property
     def kv_capacity_tokens(self) -> int:
-        return self.num_pages * self.page_size
+        return self.usable_pages * self.page_size
 
     def max_concurrency(self, context_len: int) -> int:
         """Sequences of `context_len` tokens that fit at once (whole pages each)."""
-        return self.num_pages // max(1, math.ceil(context_len / self.page_size))
+        return self.usable_pages // max(1, math.ceil(context_len / self.page_size))
 
     def gib(self) -> dict[str, float]:
         return {k: v / GIB for k, v in asdict(self).items() if k in ("weights", "kv", "activations", "total")}
@@ -117,14 +122,24 @@ class DoesNotFitError(ValueError):
     """The model's weights and workspace leave no room for KV cache."""
 
 
+def kv_budget_bytes(device_memory_bytes: float, gpu_memory_utilization: float, weights: float,
+                    activations: float) -> float:
+    """The KV budget of one device as vLLM's --gpu-memory-utilization makes it: the instance's share of the
+    device's total memory, less the weights and the activation peak of a step of max_num_batched_tokens (vLLM
+    also subtracts its non-torch memory, NCCL and library workspaces, 0.1-1.4 GiB in its logs; the runtime has
+    none outside XLA's own buffers). The planner and the runtime both size their pools with this."""
+    return device_memory_bytes * gpu_memory_utilization - weights - activations
+
+
 def plan_memory(spec: ModelSpec, device_memory_bytes: float, *, tp: int = 1, dtype: str = "bf16",
                 kv_dtype: str | None = None, page_size: int = 16, chunk_size: int = 2048,
                 max_num_seqs: int = 256, gpu_memory_utilization: float = 0.9) -> MemoryPlan:
-    """Split `gpu_memory_utilization` of a device's memory into weights, activations and KV pages."""
+    """Split `gpu_memory_utilization` of a device's memory into weights, activations and KV pages
+    (`kv_budget_bytes`); `chunk_size` is the step budget, max_num_batched_tokens."""
     kv_dtype = kv_dtype or dtype
     weights = weight_bytes_per_device(spec, dtype, tp)
-    acts = activation_bytes(spec, chunk_size + max_num_seqs, max_num_seqs, dtype, tp)
-    budget = device_memory_bytes * gpu_memory_utilization - weights - acts
+    acts = activation_bytes(spec, chunk_size, max_num_seqs, dtype, tp)
+    budget = kv_budget_bytes(device_memory_bytes, gpu_memory_utilization, weights, acts)
     if budget <= 0:
         raise DoesNotFitError(
             f"{spec.name} does not fit at tp={tp} in {dtype}: weights {weights / GIB:.1f} GiB + workspace "

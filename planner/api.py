@@ -18,7 +18,7 @@ from modelspec.dtypes import dtype_bytes
 from modelspec.memory import MemoryPlan
 from modelspec.spec import ModelSpec, load_model_spec
 from planner.disaggregate import DisaggPlan, plan_disaggregated
-from planner.hardware import Hardware, load_hardware
+from planner.hardware import Hardware, load_hardware, with_moe_kernels
 from planner.search import Candidate, search
 from planner.serving import ServingConfig, ServingPrediction, Workload
 from planner.serving import predict_serving as _predict_serving
@@ -181,6 +181,10 @@ class PlanRequest:
     prefix_hit: float = 0.0
     request_rate: float | None = None
     concurrency: float | None = None  # default DEFAULT_CONCURRENCY when neither rate nor concurrency given
+    burstiness: float = 1.0  # gamma shape of the gaps between sends (vLLM's --burstiness)
+    num_prompts: int | None = None  # the benchmark run's length: its first wave counts (None: steady state)
+    scheduler: str = "mixed"  # how steps mix prefill and decode (planner.workload.SCHEDULERS)
+    moe_kernels: str = "tuned"  # the MoE layers' kernels (planner.hardware.MOE_KERNELS)
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
     tp: int | None = None
@@ -205,7 +209,8 @@ class PlanRequest:
         if conc is None and self.request_rate is None:
             conc = DEFAULT_CONCURRENCY
         return Workload(input_len=self.input_len, output_len=self.output_len, spread=self.spread,
-                        prefix_hit=self.prefix_hit, request_rate=self.request_rate, concurrency=conc)
+                        prefix_hit=self.prefix_hit, request_rate=self.request_rate, concurrency=conc,
+                        burstiness=self.burstiness, num_prompts=self.num_prompts)
 
 
 @dataclass
@@ -241,11 +246,13 @@ class PlanResult:
             "model": self.spec.name, "hardware": self.hardware.name, "num_devices": self.request.num_devices,
             "config": {"tp": c.tp, "replicas": c.replicas, "max_num_seqs": c.max_num_seqs,
                        "chunk_size": c.chunk_size, "page_size": c.page_size, "dtype": c.dtype,
-                       "kv_dtype": c.kv_dtype or c.dtype, "num_scheduler_steps": c.num_scheduler_steps},
+                       "kv_dtype": c.kv_dtype or c.dtype, "num_scheduler_steps": c.num_scheduler_steps,
+                       "scheduler": c.scheduler, "moe_kernels": self.request.moe_kernels},
             "workload": {"input_len": self.request.input_len, "output_len": self.request.output_len,
                          "spread": self.request.spread, "prefix_hit": self.request.prefix_hit,
                          "request_rate": self.request.request_rate,
-                         "concurrency": self.request.workload().concurrency},
+                         "concurrency": self.request.workload().concurrency,
+                         "burstiness": self.request.burstiness, "num_prompts": self.request.num_prompts},
             "predicted": {
                 "ttft_ms": p.ttft.to_dict(), "tpot_ms": p.tpot.to_dict(), "itl_ms": p.itl.to_dict(),
                 "output_tokens_per_s": p.output_tokens_per_s, "requests_per_s": p.requests_per_s,
@@ -295,7 +302,7 @@ def plan(req: PlanRequest) -> PlanResult:
     Raises ModelSpecError / HardwareError (unknown inputs), ConfigError (bad TP), DoesNotFitError, ValueError.
     """
     spec = resolve_model(req.model)
-    hw = load_hardware(req.hardware)
+    hw = with_moe_kernels(load_hardware(req.hardware), req.moe_kernels)
     dtype_bytes(req.dtype)
     if req.kv_dtype:
         dtype_bytes(req.kv_dtype)
@@ -305,7 +312,8 @@ def plan(req: PlanRequest) -> PlanResult:
     cands = search(spec, hw, wl, req.num_devices, tp=req.tp, max_num_seqs=req.max_num_seqs,
                    chunk_size=req.chunk_size, page_size=req.page_size, dtype=req.dtype, kv_dtype=req.kv_dtype,
                    gpu_memory_utilization=req.gpu_memory_utilization, ttft_slo_ms=req.ttft_slo_ms,
-                   tpot_slo_ms=req.tpot_slo_ms, num_scheduler_steps=req.num_scheduler_steps)
+                   tpot_slo_ms=req.tpot_slo_ms, num_scheduler_steps=req.num_scheduler_steps,
+                   scheduler=req.scheduler)
     best = cands[0]
     result = PlanResult(request=req, spec=spec, hardware=hw, best=best, candidates=cands)
     if not best.prediction.stable:

@@ -48,6 +48,7 @@ from planner.hardware import Coefficients, Hardware
 from planner.step_model import (
     ATTENTION_PASS,
     ATTENTION_SMALL,
+    EXPERTS,
     LM_HEAD,
     SMALL_GEMM_ROWS,
     StepShape,
@@ -90,8 +91,15 @@ def unit_terms(spec: ModelSpec, hw: Hardware, shape: StepShape, *, tp: int = 1, 
     peak = hw.peak(dtype)
     out = dict.fromkeys(_COLUMNS, 0.0)
     latency = 0.0
+    moe = hw.coefficients  # the experts' own efficiencies are held (not fitted): their terms carry them
     for op in op_costs(spec, shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype, padded_tokens=padded_tokens):
         n = op.count
+        if op.name == EXPERTS:
+            w = spec.moe_intermediate_size / tp
+            width = w / (w + moe.moe_width_half)
+            op = dataclasses.replace(op, flops=op.flops / (moe.moe_compute_eff_scale * width),
+                                     weight_bytes=op.weight_bytes / (moe.moe_weight_bw_eff_scale * width),
+                                     act_bytes=op.act_bytes / (moe.moe_weight_bw_eff_scale * width))
         if op.flops and small_gemms and is_small_gemm(op):
             out["head_small" if op.name == LM_HEAD else "gemm_small"] += op.flops * n / peak
         elif op.flops:

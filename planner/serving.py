@@ -13,8 +13,12 @@ Per replica, at a Poisson request rate lambda:
   adding its Delta and its share of a step (t_dec I/c', c' = chunk_size - B) only when they overflow the
   budget; W = R / (1 - lambda E[per prompt ahead]).
 - Slots: if max_num_seqs (or KV) binds, an Erlang-C wait for a slot (M/M/c approximation).
-- Closed loop (`concurrency` clients, no think time): throughput X solves X * E2E(X) = min(C, slots), with
-  queueing seen by an arrival scaled by (C - 1) / C (arrival theorem); extra clients wait for a slot.
+- Closed loop (`concurrency` clients, no think time): with fixed lengths the clients move in waves
+  (`planner.closed_loop`); with spread lengths their arrivals spread out and throughput X solves
+  X * E2E(X) = min(C, slots), with queueing seen by an arrival scaled by (C - 1) / C (arrival theorem); extra
+  clients wait for a slot. A rate and clients together (`vllm bench serve --request-rate R --max-concurrency N`)
+  are the stream while the gate lets it through, else the loop; gamma gaps (`burstiness` b) scale the busy part
+  of the wait by (1/b + c_s^2) / (1 + c_s^2) (Kingman).
 Percentiles come from sampling the same distributions (exponential queue tail, binomial count of
 prefill-carrying steps per request); `planner.simulate` checks the means against a discrete-event run.
 """
@@ -23,24 +27,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
 from modelspec.memory import MemoryPlan, plan_memory
 from modelspec.spec import ModelSpec
+from planner.closed_loop import LoopResult, lockstep_loop
 from planner.hardware import Hardware
-from planner.queueing import erlang_c
-from planner.step_model import (
-    StepShape,
-    StepTime,
-    decode_shape,
-    pad_tokens,
-    prefill_chunk_tokens,
-    prefill_shape,
-    step_time_shape,
-)
+from planner.queueing import erlang_c, poisson_at_least
+from planner.serving_steps import StepCosts
+from planner.step_model import StepTime, decode_shape, prefill_shape, step_time_shape
 from planner.workload import Dist, ServingConfig, Workload
 
 __all__ = ["Dist", "ServingConfig", "ServingPrediction", "Workload", "erlang_c", "max_rate", "predict_serving"]
@@ -77,73 +74,13 @@ class ServingPrediction:
             return "overloaded: the offered load exceeds what this configuration can sustain"
         kind = d.bottleneck.replace("_", " ")
         s = f"decode steps are {kind}-bound ({d.terms[d.bottleneck] / d.total_s:.0%} of {d.total_ms:.1f} ms)"
-        if self.load > 0.8:
+        waves = self.extra.get("closed_loop")
+        if waves:
+            s += (f"; the clients move in waves ({waves}): a prompt's TTFT holds the prompts sent with it"
+                  if waves != "prefill-bound" else "; the clients' prompts keep every step busy: TTFT is their queue")
+        elif self.load > 0.8:
             s += f"; at {self.load:.0%} of capacity, queueing dominates TTFT"
         return s
-
-
-class _Model:
-    """Cached step times for one (spec, hardware, config, workload); the closed form's building blocks."""
-
-    def __init__(self, spec: ModelSpec, hw: Hardware, cfg: ServingConfig, wl: Workload, mem: MemoryPlan):
-        self.spec, self.hw, self.cfg, self.wl, self.mem = spec, hw, cfg, wl, mem
-        self.slots = max(1, min(cfg.max_num_seqs, mem.max_concurrency(wl.input_len + wl.output_len)))
-        self.ctx = wl.input_len + wl.output_len / 2  # mean context of a decoding sequence
-        self.prefix = wl.input_len - wl.computed_input
-        self._t = lru_cache(maxsize=4096)(self._step)
-
-    def _step(self, batch: int, q: int, computed: int) -> float:
-        shape = decode_shape(batch, self.ctx) if batch else StepShape()
-        if q:
-            shape = shape + prefill_shape(q, computed)
-        return step_time_shape(self.spec, self.hw, shape, tp=self.cfg.tp, dtype=self.cfg.dtype,
-                               kv_dtype=self.cfg.kv_dtype,
-                               padded_tokens=pad_tokens(shape.num_tokens, self.cfg.token_buckets),
-                               steps_per_dispatch=self.cfg.num_scheduler_steps).total_s
-
-    def t_dec(self, b: float) -> float:
-        """Decode-only step with b sequences (linear interpolation between integers)."""
-        lo = int(b)
-        t0 = self._t(max(lo, 1), 0, 0)
-        return t0 + (b - lo) * (self._t(lo + 1, 0, 0) - t0) if lo >= 1 else self._t(1, 0, 0)
-
-    def budget(self, b: float) -> int:
-        return max(self.cfg.page_size, int(self.cfg.chunk_size - b))
-
-    def prefill(self, b: float, n_tokens: float) -> tuple[float, int, list[float]]:
-        """Marginal time Delta of prefilling n_tokens beside b decodes, the steps it takes, per-chunk Deltas."""
-        bi, c = int(round(b)), self.budget(b)
-        n_tokens = int(round(n_tokens))
-        base = self._t(bi, 0, 0) if bi else 0.0
-        p0, page = int(self.prefix), self.cfg.page_size
-        # Chunks end on page boundaries, as the runtime cuts them; after the first, each is `c` rounded down to
-        # whole pages (when a page fits in the budget).
-        first = prefill_chunk_tokens(p0, n_tokens, c, page)
-        steady = c // page * page if c >= page else c
-        full, rem = divmod(n_tokens - first, steady)
-        if full > 8:  # a full chunk's Delta is affine in the tokens before it: sum the series, keep a sample
-            start = p0 + first
-            d_first = self._t(bi, first, p0) - base
-            d0 = self._t(bi, steady, start) - base
-            slope = (self._t(bi, steady, start + steady) - base - d0) / steady
-            deltas = [d_first] + [d0 + slope * j * steady for j in np.linspace(0, full - 1, 16).round().astype(int)]
-            total = d_first + full * d0 + slope * steady * full * (full - 1) / 2
-            if rem:
-                last = self._t(bi, rem, start + full * steady) - base
-                deltas.append(last)
-                total += last
-            return total, 1 + full + (1 if rem else 0), deltas
-        deltas, done = [], 0
-        while done < n_tokens:
-            q = prefill_chunk_tokens(p0 + done, n_tokens - done, c, page)
-            deltas.append(self._t(bi, q, p0 + done) - base)
-            done += q
-        return sum(deltas), len(deltas), deltas
-
-    def input_points(self) -> np.ndarray:
-        i = self.wl.computed_input
-        s = self.wl.spread
-        return np.array([i]) if s == 0 else np.linspace(i * (1 - s), i * (1 + s), 5)
 
 
 @dataclass
@@ -165,8 +102,11 @@ class _State:
     tpot_extra: float = 0.0  # decode stall from prompts queued behind this request
 
 
-def _solve(m: _Model, lam: float, seen: float = 1.0, slot_wait: bool = True) -> _State:
-    """Fixed point at rate `lam` per replica; `seen` scales the queueing an arrival sees (closed loop)."""
+def _solve(m: StepCosts, lam: float, seen: float = 1.0, slot_wait: bool = True, burstiness: float = 1.0,
+           at_step_ends: bool = False) -> _State:
+    """Fixed point at rate `lam` per replica; `seen` scales the queueing an arrival sees (closed loop);
+    `burstiness`: the gamma shape of the gaps between arrivals (1: Poisson); `at_step_ends`: requests arrive as
+    a step ends (a closed loop's client sends when its last token comes), so none waits out a step in progress."""
     out = m.wl.output_len
     pts = m.input_points()
     pts_l = [float(i) for i in pts]
@@ -213,6 +153,8 @@ def _solve(m: _Model, lam: float, seen: float = 1.0, slot_wait: bool = True) -> 
     # decode-only step.
     u = min(1.0, (rho + lam * float(lone.mean())) / 2)
     resid = seen * (u * float(np.mean(lone**2)) / (2 * float(lone.mean())) + (1 - u) * t_d / 2)
+    if at_step_ends:  # and clients whose requests came back later come back later: they queue at most as
+        resid = 0.0  # Little's law leaves them to (`_closed_loop`)
     # Prompts queued ahead: each adds its Delta; its share of step time only when the prompts ahead overflow
     # the step's budget (bulk service: about k = c'/I prompts share a step). With N ahead ~ geometric of mean
     # L = lam W, the overflow fraction is p^(k-1), p = L / (1 + L).
@@ -228,16 +170,22 @@ def _solve(m: _Model, lam: float, seen: float = 1.0, slot_wait: bool = True) -> 
         if abs(new_wait - wait) < 1e-9:
             break
         wait = new_wait
+    if burstiness != 1:  # G/G/1 (Kingman): the busy part of the wait scales by (c_a^2 + c_s^2) / (1 + c_s^2)
+        cs2 = m.wl.spread**2 / 3  # prompt lengths uniform in [I(1-s), I(1+s)]
+        idle = seen * (1 - u) * t_d / 2
+        wait = idle + (wait - idle) * (1 / burstiness + cs2) / (1 + cs2)
     queue = wait - resid
     own = float(lone.mean())
     # Its last step also carries the prompts that arrived behind it, up to the token budget.
     # (arrivals during that step itself come too late for it).
     last = t_seen + m.prefill(b_seen, mean_i)[2][-1]
     lone_own = own
-    own += _packed_extra(m, b, lam * seen * (wait + own - last), mean_i, c)
+    # (A closed loop's requests come as steps end: those of the same step end share its next step.)
+    window = t_seen if at_step_ends else wait + own - last
+    own += _packed_extra(m, b, lam * seen * window, mean_i, c)
     # The same packing, seen from the packed side: a request arriving while another prompt still has steps to
     # go rides its first chunk in that prompt's last step, so it needs one step fewer than alone.
-    if max(n_lone) > 1:
+    if max(n_lone) > 1 and not at_step_ends:
         own -= min(1.0, lam * seen * (lone_own - last)) * last
     # Prompts that arrived during this request's wait and prefill and were not packed into its own last step
     # stall its decode: extra TPOT = lam * TTFT * E[Delta] * (1 - packable) / ((O - 1) (1 - lam E[Delta])).
@@ -261,7 +209,7 @@ def _solve(m: _Model, lam: float, seen: float = 1.0, slot_wait: bool = True) -> 
                   resid=resid, tpot_extra=tpot_extra)
 
 
-def _packed_extra(m: _Model, b: float, mu: float, prompt: float, budget: int) -> float:
+def _packed_extra(m: StepCosts, b: float, mu: float, prompt: float, budget: int) -> float:
     """Expected extra time of a request's last prefill step from N ~ Poisson(mu) later prompts packed into it."""
     rem = prompt - (math.ceil(prompt / budget) - 1) * budget
     room = budget - rem
@@ -277,7 +225,7 @@ def _packed_extra(m: _Model, b: float, mu: float, prompt: float, budget: int) ->
     return (tokens + max(0.0, 1 - cdf) * room) * per_token
 
 
-def max_rate(m: _Model) -> float:
+def max_rate(m: StepCosts) -> float:
     """Largest Poisson rate per replica with a stable fixed point (bisection)."""
     lo, hi = 0.0, 1.0
     while _solve(m, hi).stable and hi < 1e7:
@@ -291,28 +239,89 @@ def max_rate(m: _Model) -> float:
     return lo
 
 
-def _closed_loop(m: _Model, clients: float, cap: float) -> tuple[float, _State]:
-    """Throughput per replica and state for `clients` closed-loop clients (no think time)."""
+def _closed_loop(m: StepCosts, clients: float, cap: float) -> tuple[float, _State]:
+    """Throughput per replica and state for `clients` closed-loop clients (no think time) whose arrivals are
+    spread out: each comes as a step ends, so no residual step; a client delayed comes back later, so the
+    clients space themselves out and a prompt waits only when the engine cannot turn them all around
+    (measured by the simulator: TTFT within 10% of the prompt's own prefill up to 60% prefill utilisation)."""
     in_service = min(clients, m.slots)
     seen = max(0.0, (clients - 1) / clients)
     lo, hi = 0.0, cap
     st = _State(stable=False)
     for _ in range(30):
         mid = 0.5 * (lo + hi)
-        s = _solve(m, mid, seen=seen, slot_wait=False)
+        s = _solve(m, mid, seen=seen, slot_wait=False, at_step_ends=True)
         if s.stable and mid * s.service < in_service:
             lo, st = mid, s
         else:
             hi = mid
     if not st.stable:
-        st = _solve(m, lo, seen=seen, slot_wait=False) if lo > 0 else st
+        st = _solve(m, lo, seen=seen, slot_wait=False, at_step_ends=True) if lo > 0 else st
+    if st.stable and lo > 0:  # clients beyond what the engine turns around wait for the prefill (Little's law)
+        behind = max(0.0, in_service / lo - st.service)
+        st.wait_prefill += behind
+        st.queue += behind
+        st.ttft_mean += behind
     if st.stable and clients > m.slots and lo > 0:
         st.wait_slot = (clients - m.slots) / lo
         st.ttft_mean += st.wait_slot
     return lo, st
 
 
-def _samples(m: _Model, st: _State, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _load(m: StepCosts, cap: float) -> tuple[float, _State]:
+    """Rate and state per replica: a Poisson (or gamma, `burstiness`) stream, a loop of clients whose arrivals
+    are spread out (spread lengths break the waves), or both (vLLM's --request-rate with --max-concurrency): the
+    stream below the loop's throughput, where the clients' gate seldom holds a request back, else the loop."""
+    wl, r = m.wl, m.cfg.replicas
+    rate = (wl.request_rate if wl.request_rate is not None else cap * 0.5 * r) / r
+    if wl.concurrency is None:
+        return rate, _solve(m, rate, burstiness=wl.burstiness)
+    lam, st = _closed_loop(m, wl.concurrency / r, cap)
+    if wl.request_rate is not None and rate < lam:
+        open_st = _solve(m, rate, burstiness=wl.burstiness)
+        if open_st.stable:  # the gate holds back the arrivals that find all clients busy: their waits are the loop's
+            busy = poisson_at_least(round(min(wl.concurrency / r, m.slots)), rate * open_st.service)
+            for name in ("own_prefill", "wait_prefill", "queue", "resid", "ttft_mean"):
+                setattr(open_st, name, (1 - busy) * getattr(open_st, name) + busy * getattr(st, name))
+            return rate, open_st
+    return lam, st
+
+
+def _lockstep_prediction(m: StepCosts, loop: LoopResult, cap: float, ttft_slo_ms: float | None,
+                         tpot_slo_ms: float | None) -> ServingPrediction:
+    """The prediction for clients in waves, from the loop's per-request figures."""
+    cfg, wl, r = m.cfg, m.wl, m.cfg.replicas
+    dec, chunk = _reported_steps(m, loop.decode_batch)
+    ok = np.ones(len(loop.ttft), dtype=bool)
+    if ttft_slo_ms is not None:
+        ok &= loop.ttft * 1e3 <= ttft_slo_ms
+    if tpot_slo_ms is not None:
+        ok &= loop.tpot * 1e3 <= tpot_slo_ms
+    lam = loop.requests_per_s
+    cap = max(cap, lam)  # waves keep the engine busier than spread-out arrivals can
+    return ServingPrediction(
+        ttft=Dist.of(loop.ttft), tpot=Dist.of(loop.tpot), itl=Dist.of(loop.itl),
+        e2e_ms=float(np.mean(loop.ttft + loop.tpot * max(wl.output_len - 1, 0))) * 1e3,
+        output_tokens_per_s=lam * r * wl.output_len, requests_per_s=lam * r,
+        goodput_requests_per_s=lam * r * float(ok.mean()), stable=True, load=lam / cap if cap else math.inf,
+        decode_batch=loop.decode_batch, decode_step=dec, prefill_chunk_step=chunk, memory=m.mem,
+        max_concurrency=m.slots, capacity_requests_per_s=cap * r,
+        extra={"closed_loop": loop.regime, "cohorts": list(loop.cohorts), "scheduler": cfg.scheduler})
+
+
+def _reported_steps(m: StepCosts, b: float) -> tuple[StepTime, StepTime]:
+    """The decode step at batch `b` and the step carrying a prompt's (first) chunk beside those decodes."""
+    cfg, spec, hw = m.cfg, m.spec, m.hw
+    dec = step_time_shape(spec, hw, decode_shape(max(1, round(b)), m.ctx), tp=cfg.tp, dtype=cfg.dtype,
+                          kv_dtype=cfg.kv_dtype, steps_per_dispatch=cfg.num_scheduler_steps)
+    q = min(m.budget(b), round(m.wl.computed_input))
+    chunk_shape = prefill_shape(q, m.prefix)
+    if round(b):
+        chunk_shape = decode_shape(round(b), m.ctx) + chunk_shape
+    return dec, step_time_shape(spec, hw, chunk_shape, tp=cfg.tp, dtype=cfg.dtype, kv_dtype=cfg.kv_dtype)
+
+
+def _samples(m: StepCosts, st: _State, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """TTFT, TPOT (per request) and ITL (per gap) samples, seconds."""
     n = SAMPLES
     wl = m.wl
@@ -355,23 +364,15 @@ def predict_serving(spec: ModelSpec, hw: Hardware, workload: Workload, config: S
                                 page_size=config.page_size, chunk_size=config.chunk_size,
                                 max_num_seqs=config.max_num_seqs,
                                 gpu_memory_utilization=config.gpu_memory_utilization)
-    m = _Model(spec, hw, config, workload, mem)
+    m = StepCosts(spec, hw, config, workload, mem)
     cap = max_rate(m)
     r = config.replicas
-    if workload.concurrency is not None:
-        lam, st = _closed_loop(m, workload.concurrency / r, cap)
-    else:
-        lam = (workload.request_rate if workload.request_rate is not None else cap * 0.5 * r) / r
-        st = _solve(m, lam)
+    if workload.closed_loop and workload.spread == 0:  # clients in waves (planner/closed_loop.py)
+        return _lockstep_prediction(m, lockstep_loop(m, round(workload.concurrency / r)), cap, ttft_slo_ms,
+                                    tpot_slo_ms)
+    lam, st = _load(m, cap)
     b = st.batch if st.stable else m.slots
-    dec = step_time_shape(spec, hw, decode_shape(max(1, round(b)), m.ctx), tp=config.tp, dtype=config.dtype,
-                          kv_dtype=config.kv_dtype, steps_per_dispatch=config.num_scheduler_steps)
-    # The step carrying a prompt's (first) chunk beside the running decodes.
-    q = min(m.budget(b), round(workload.computed_input))
-    chunk_shape = prefill_shape(q, m.prefix)
-    if round(b):
-        chunk_shape = decode_shape(round(b), m.ctx) + chunk_shape
-    chunk = step_time_shape(spec, hw, chunk_shape, tp=config.tp, dtype=config.dtype, kv_dtype=config.kv_dtype)
+    dec, chunk = _reported_steps(m, b)
     common = dict(decode_step=dec, prefill_chunk_step=chunk, memory=mem, max_concurrency=m.slots,
                   capacity_requests_per_s=cap * r)
     if not st.stable:

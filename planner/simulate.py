@@ -42,7 +42,6 @@ class _Req:
     first_token: float = -1.0
     last_token: float = -1.0
     finish: float = -1.0
-    client: int = -1
 
     @property
     def start(self) -> int:
@@ -69,9 +68,11 @@ def simulate(spec: ModelSpec, hw: Hardware, workload: Workload, config: ServingC
              arrival_times: Sequence[float] | None = None) -> SimResult:
     """Simulate one replica at rate/replicas (or concurrency/replicas clients) and report its metrics.
 
-    `arrival_times`: explicit arrival times (s, one replica, open loop) instead of Poisson draws, to predict one
-    measured run of a finite trace (a short run from an empty engine is a transient, not the steady state
-    that `planner.serving` predicts).
+    Requests are sent as `vllm bench serve` sends them (gamma gaps of shape `workload.burstiness`, at most
+    `workload.concurrency` in flight, TTFT counted from the send); `workload.num_prompts`, when given, is the
+    run's length and every request counts (no warm-up cut). `arrival_times`: explicit arrival times (s, one
+    replica, open loop) instead of Poisson draws, to predict one measured run of a finite trace (a short run
+    from an empty engine is a transient, not the steady state that `planner.serving` predicts).
     """
     rng = np.random.default_rng(seed)
     mem = plan_memory(spec, hw.memory_bytes, tp=config.tp, dtype=config.dtype, kv_dtype=config.kv_dtype,
@@ -81,28 +82,34 @@ def simulate(spec: ModelSpec, hw: Hardware, workload: Workload, config: ServingC
     r = config.replicas
     s = workload.spread
 
-    def new_request(t: float, client: int = -1) -> _Req:
+    def new_request(t: float) -> _Req:
         i = max(1, round(workload.input_len * rng.uniform(1 - s, 1 + s))) if s else workload.input_len
         o = max(1, round(workload.output_len * rng.uniform(1 - s, 1 + s))) if s else workload.output_len
         comp = max(1, round(i * (1 - workload.prefix_hit)))
-        return _Req(arrival=t, input_len=i, to_compute=comp, output_len=o, client=client)
+        return _Req(arrival=t, input_len=i, to_compute=comp, output_len=o)
 
-    closed = workload.concurrency is not None and arrival_times is None
-    arrivals: deque[_Req] = deque()
+    gate = max(1, round(workload.concurrency / r)) if workload.concurrency and arrival_times is None else None
+    if workload.num_prompts is not None and arrival_times is None:  # one run, measured whole as a bench does
+        num_requests, warmup_fraction = max(1, round(workload.num_prompts / r)), 0.0
     if arrival_times is not None:
-        for t in sorted(float(a) for a in arrival_times):
-            arrivals.append(new_request(t))
-    elif closed:
-        clients = max(1, round(workload.concurrency / r))
-        for c in range(clients):
-            arrivals.append(new_request(0.0, c))
-    else:
-        rate = (workload.request_rate or 1.0) / r
-        t = 0.0
-        for _ in range(num_requests):
-            t += rng.exponential(1 / rate)
-            arrivals.append(new_request(t))
-    issued = len(arrivals)
+        sends = sorted(float(a) for a in arrival_times)
+    elif workload.request_rate is not None:  # vLLM's bench: the first at 0, then gamma gaps of mean 1 / rate
+        b, rate = workload.burstiness, workload.request_rate / r
+        sends = np.concatenate([[0.0], np.cumsum(rng.gamma(b, 1 / (rate * b), num_requests - 1))]).tolist()
+    else:  # clients only: every one sends at once, then each when its last request ends
+        sends = [0.0] * num_requests
+    arrivals: deque[_Req] = deque()
+    pending: deque[float] = deque(sends)
+
+    def release(free_at: float) -> None:
+        """The next request takes a free client slot: sent at its own time or when the slot freed, if later
+        (the send times stay ordered: both sequences only grow)."""
+        if pending:
+            arrivals.append(new_request(max(pending.popleft(), free_at)))
+
+    for _ in range(len(sends) if gate is None else gate):
+        release(0.0)
+    prefill_first = config.scheduler == "prefill-first"
     waiting: deque[_Req] = deque()
     running: list[_Req] = []
     done: list[_Req] = []
@@ -115,6 +122,8 @@ def simulate(spec: ModelSpec, hw: Hardware, workload: Workload, config: ServingC
             now = arrivals[0].arrival
             continue
         decodes = [q for q in running if q.computed >= q.to_compute]
+        if prefill_first and (len(decodes) < len(running) or (waiting and len(running) < slots)):
+            decodes = []  # prompts to prefill take the step to themselves; the decodes wait
         budget = config.chunk_size - len(decodes)
         shape = StepShape()
         if decodes:
@@ -158,11 +167,8 @@ def simulate(spec: ModelSpec, hw: Hardware, workload: Workload, config: ServingC
             q.finish = now
             running.remove(q)
             done.append(q)
-            if closed and issued < num_requests:
-                arrivals.append(new_request(now, q.client))
-                issued += 1
-        if closed:
-            arrivals = deque(sorted(arrivals, key=lambda q: q.arrival))
+            if gate is not None:
+                release(now)
     done.sort(key=lambda q: q.arrival)
     k = int(len(done) * warmup_fraction)
     kept = done[k:len(done) - k] if len(done) > 4 * k else done

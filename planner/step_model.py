@@ -42,6 +42,8 @@ SMALL_GEMM_ROWS = 32
 # The LM head's op: on a CPU its kernel reads the embedding at the memory's rate and adds little compute per row,
 # unlike the projections', so a profile may price its small-row FLOPs apart (`head_small_eff_scale`).
 LM_HEAD = "lm_head"
+# A mixture-of-experts layer's grouped GEMMs: priced at their own efficiencies (`moe_*_eff_scale`).
+EXPERTS = "experts"
 
 
 
@@ -205,7 +207,7 @@ def op_costs(spec: ModelSpec, shape: StepShape, *, tp: int = 1, dtype: str = "bf
         else:  # one tile per touched expert, its padding skipped
             rows = max(1.0, real * k / max(distinct, 1e-9))  # tokens per touched expert: the GEMM's M
             expert_rows = real * k
-        ops.append(OpCost("experts", flops=2 * (expert_rows + T * sh) * 3 * h * mi,
+        ops.append(OpCost(EXPERTS, flops=2 * (expert_rows + T * sh) * 3 * h * mi,
                           weight_bytes=(distinct + sh) * 3 * h * mi * bw,
                           act_bytes=(real * k + T * sh) * (2 * h + 4 * mi) * ba, count=spec.num_moe_layers,
                           gemm_rows=rows))
@@ -289,6 +291,8 @@ def time_ops(ops: Sequence[OpCost], spec: ModelSpec, shape: StepShape, hw: Hardw
     compute = weight = kv = comm = ideal_comm = 0.0
     flops = nbytes = 0.0
     # Small chunks' pairs at their own efficiency where the profile has one, else as all others.
+    width = spec.moe_intermediate_size / tp if spec.is_moe else 0.0
+    moe_width = width / (width + c.moe_width_half) if width > 0 else 1.0  # an expert's GEMM width per device
     attn_scale = {"attention": c.attn_eff_scale,
                   ATTENTION_SMALL: c.attn_small_eff_scale if c.attn_small_eff_scale > 0 else c.attn_eff_scale}
     for op in ops:
@@ -305,8 +309,12 @@ def time_ops(ops: Sequence[OpCost], spec: ModelSpec, shape: StepShape, hw: Hardw
             else:
                 eff = c.compute_eff * (op.gemm_rows / (op.gemm_rows + c.gemm_m_half) if op.gemm_rows else 1.0)
                 eff *= attn_scale.get(op.name, 1.0)
+            if op.name == EXPERTS:
+                eff *= c.moe_compute_eff_scale * moe_width
             compute += op.flops * n / (peak * eff)
         w_eff = c.weight_bw_eff * (c.gemv_speedup if op.gemm_rows == 1 else 1.0)
+        if op.name == EXPERTS:
+            w_eff *= c.moe_weight_bw_eff_scale * moe_width
         weight += (op.weight_bytes + op.act_bytes) * n / (hw.memory_bw * w_eff)
         kv += op.kv_bytes * n / (hw.memory_bw * c.kv_bw_eff)
         for _ in range(op.collectives):

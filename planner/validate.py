@@ -4,7 +4,9 @@ Each point is predicted with the catalog hardware and its default priors (global
 - `first_token`: one prefill step of `input_len` tokens at batch 1 -> TTFT;
 - `static_batch`: one context step for the batch, then output_len - 1 decode steps -> ms per output token
   (the TPOT group: a decode-speed figure);
-- `serving_concurrency`: the closed-form serving model with closed-loop clients -> mean TTFT and TPOT.
+- `serving_concurrency`: the closed-form serving model with closed-loop clients (`concurrency`, and where the
+  point gives them its run's `num_prompts`, the engine's `scheduler`, its step budget `chunk_size` and whether
+  its `moe_kernels` were tuned) -> mean TTFT, TPOT and, where published, output throughput.
 `scripts/validate_planner.py` prints the table; the test asserts the target medians.
 """
 
@@ -19,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from modelspec.spec import load_model_spec
-from planner.hardware import Hardware, load_hardware
+from planner.hardware import Hardware, load_hardware, with_moe_kernels
 from planner.serving import ServingConfig, Workload, predict_serving
 from planner.step_model import decode_shape, prefill_shape, step_time_shape
 
@@ -31,11 +33,12 @@ class Comparison:
     """One published figure beside the planner's prediction."""
 
     id: str
-    metric: str  # "ttft" or "tpot"
+    metric: str  # "ttft", "tpot" or "throughput" (output tokens/s, in the ms columns' place)
     measured_ms: float
     predicted_ms: float
     source: str
     roofline_ms: float | None = None  # the pure roofline floor for the same figure (step-level points)
+    closed_loop: bool = False  # a serving point of clients in a closed loop
 
     @property
     def error(self) -> float:
@@ -67,7 +70,7 @@ def _static_batch_ms_per_token(p: dict[str, Any], hw: Hardware) -> tuple[float, 
 
 def predict_point(p: dict[str, Any], hardware: Hardware | None = None) -> list[Comparison]:
     """The planner's predictions for one published point (one or two metrics)."""
-    hw = hardware or load_hardware(p["hardware"])
+    hw = with_moe_kernels(hardware or load_hardware(p["hardware"]), p.get("moe_kernels", "tuned"))
     src = p["source"]["title"]
     spec = load_model_spec(p["model"])
     if p["kind"] == "first_token":
@@ -84,11 +87,17 @@ def predict_point(p: dict[str, Any], hardware: Hardware | None = None) -> list[C
         return [Comparison(p["id"], "tpot", measured, predicted, src, floor)]
     if p["kind"] == "serving_concurrency":
         cfg = ServingConfig(tp=p["tp"], max_num_seqs=p.get("max_num_seqs", 256), chunk_size=p.get("chunk_size", 8192),
-                            dtype=p["dtype"], kv_dtype=p["kv_dtype"])
-        wl = Workload(input_len=p["input_len"], output_len=p["output_len"], concurrency=p["concurrency"])
+                            dtype=p["dtype"], kv_dtype=p["kv_dtype"], scheduler=p.get("scheduler", "mixed"))
+        wl = Workload(input_len=p["input_len"], output_len=p["output_len"], concurrency=p["concurrency"],
+                      num_prompts=p.get("num_prompts"))
         pred = predict_serving(spec, hw, wl, cfg)
-        return [Comparison(p["id"], "ttft", p["measured"]["ttft_ms"], pred.ttft.mean, src),
-                Comparison(p["id"], "tpot", p["measured"]["tpot_ms"], pred.tpot.mean, src)]
+        meas = p["measured"]
+        rows = [Comparison(p["id"], "ttft", meas["ttft_ms"], pred.ttft.mean, src, closed_loop=True),
+                Comparison(p["id"], "tpot", meas["tpot_ms"], pred.tpot.mean, src, closed_loop=True)]
+        if "output_tok_s" in meas:
+            rows.append(Comparison(p["id"], "throughput", meas["output_tok_s"], pred.output_tokens_per_s, src,
+                                   closed_loop=True))
+        return rows
     raise ValueError(f"unknown point kind {p['kind']!r}")
 
 
@@ -96,11 +105,14 @@ def compare_all(path: Path = POINTS_PATH) -> list[Comparison]:
     return [c for p in load_points(path) for c in predict_point(p)]
 
 
+METRICS = ("ttft", "tpot", "throughput")
+
+
 def median_abs_errors(rows: list[Comparison], roofline: bool = False) -> dict[str, float]:
-    """Median absolute relative error per metric group ("ttft", "tpot"); `roofline`: of the pure floor instead
-    (over the step-level points only)."""
+    """Median absolute relative error per metric group ("ttft", "tpot", "throughput"); `roofline`: of the pure
+    floor instead (over the step-level points only)."""
     out = {}
-    for metric in ("ttft", "tpot"):
+    for metric in METRICS:
         if roofline:
             errs = [abs(r.roofline_ms / r.measured_ms - 1) for r in rows
                     if r.metric == metric and r.roofline_ms is not None]

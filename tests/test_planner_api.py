@@ -73,8 +73,14 @@ def test_profile_round_trip_and_validation(tmp_path):
     save_profile(hw, tmp_path / "h.json")
     back = load_hardware(tmp_path / "h.json")
     assert back.coefficients.compute_eff == 0.5 and back.memory_bw == pytest.approx(hw.memory_bw)
-    based = hardware_from_profile({"base": "h200", "memory_gb": 100})
+    assert back.memory_bytes == hw.memory_bytes == 80 * 1024**3  # written as memory_gib
+    based = hardware_from_profile({"base": "h200", "memory_gb": 100})  # decimal GB, as older profiles say it
     assert based.peak("bf16") == CATALOG["h200"].peak("bf16") and based.memory_bytes == 100e9
+    assert hardware_from_profile({"base": "h200", "memory_gib": 100}).memory_bytes == 100 * 1024**3
+    with pytest.raises(HardwareError, match="once"):
+        hardware_from_profile({**CPU_PROFILE, "memory_gib": 8})
+    with pytest.raises(HardwareError, match="out of range"):
+        hardware_from_profile({**CPU_PROFILE, "coefficients": {"moe_compute_eff_scale": 0}})
     with pytest.raises(HardwareError, match="unknown coefficient"):
         hardware_from_profile({**CPU_PROFILE, "coefficients": {"magic": 1}})
     with pytest.raises(HardwareError, match="positive"):

@@ -29,7 +29,7 @@ def test_json_has_the_promised_keys(capsys):
     j = json.loads(out)
     assert {"model", "hardware", "num_devices", "config", "predicted", "disaggregated", "candidates"} <= set(j)
     assert set(j["config"]) == {"tp", "replicas", "max_num_seqs", "chunk_size", "page_size", "dtype", "kv_dtype",
-                                 "num_scheduler_steps"}
+                                 "num_scheduler_steps", "scheduler", "moe_kernels"}
     p = j["predicted"]
     for key in ("ttft_ms", "tpot_ms", "itl_ms"):
         assert set(p[key]) == {"mean", "p50", "p90", "p99"}
@@ -73,7 +73,10 @@ def test_hardware_profile_and_hf_config_paths(capsys, tmp_path):
     (["--model", "llama-3.1-405b"], "does not fit"),
     (["--input-len", "0"], "--input-len"),
     (["--output-len", "-5"], "--output-len"),
-    (["--request-rate", "1", "--concurrency", "4"], "not both"),
+    (["--request-rate", "1", "--concurrency", "4", "--burstiness", "-1"], "--burstiness"),
+    (["--concurrency", "4", "--num-prompts", "0"], "--num-prompts"),
+    (["--scheduler", "lottery"], "lottery"),
+    (["--moe-kernels", "fast"], "fast"),
     (["--dtype", "fp7"], "fp7"),
 ])
 def test_bad_input_is_one_line_on_stderr_with_exit_2(capsys, args, words):
@@ -82,6 +85,25 @@ def test_bad_input_is_one_line_on_stderr_with_exit_2(capsys, args, words):
     assert out == ""
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert words in err and "Traceback" not in err
+
+
+def test_a_benchmark_run_of_clients_and_a_jittered_loop(capsys):
+    # vllm bench serve --max-concurrency 16 --num-prompts 80, fixed lengths: the first wave counts, then cohorts.
+    code, out, _ = run(capsys, "--json", "--max-concurrency", "16", "--num-prompts", "80", "--input-len", "1024",
+                       "--output-len", "128", "--chunk-size", "8192", "--tp", "1")
+    j = json.loads(out)
+    assert code == 0 and j["workload"]["num_prompts"] == 80
+    run_ttft = j["predicted"]["ttft_ms"]
+    code, out, _ = run(capsys, "--json", "--max-concurrency", "16", "--input-len", "1024", "--output-len", "128",
+                       "--chunk-size", "8192", "--tp", "1")
+    assert run_ttft["p99"] > json.loads(out)["predicted"]["ttft_ms"]["p99"]  # the wave that sent all 16 at once
+    # ... and with a rate: gamma arrivals held back by the clients, as vLLM's --request-rate --burstiness.
+    code, out, _ = run(capsys, "--json", "--max-concurrency", "16", "--request-rate", "0.5", "--burstiness", "0.5",
+                       "--scheduler", "prefill-first", "--model", "mixtral-8x7b", "--tp", "2", "--num-devices", "2",
+                       "--moe-kernels", "untuned")
+    j = json.loads(out)
+    assert code == 0 and j["workload"]["burstiness"] == 0.5 and j["config"]["moe_kernels"] == "untuned"
+    assert j["predicted"]["requests_per_s"] == pytest.approx(0.5, rel=0.01)  # under the 16 clients' 1.6 req/s
 
 
 def test_unsupported_architecture_names_the_supported_ones(capsys, tmp_path):

@@ -57,7 +57,7 @@ def test_load_raises_latency_and_overload_is_reported():
 
 
 def test_goodput_counts_only_requests_within_slos():
-    wl = Workload(1024, 256, concurrency=64)
+    wl = Workload(1024, 256, concurrency=64, spread=0.3)  # spread lengths: a continuous spread of TTFTs
     free = predict_serving(L8B, H100, wl, ServingConfig())
     strict = predict_serving(L8B, H100, wl, ServingConfig(), ttft_slo_ms=free.ttft.p50, tpot_slo_ms=1e9)
     assert free.goodput_requests_per_s == pytest.approx(free.requests_per_s)
@@ -76,8 +76,13 @@ def test_prefix_hits_shorten_ttft_and_replicas_split_the_load():
 def test_workload_rejects_bad_input():
     with pytest.raises(ValueError):
         Workload(0, 10)
-    with pytest.raises(ValueError):
-        Workload(10, 10, request_rate=1, concurrency=2)
+    with pytest.raises(ValueError, match="burstiness"):
+        Workload(10, 10, request_rate=1, burstiness=0)
+    with pytest.raises(ValueError, match="num_prompts"):
+        Workload(10, 10, concurrency=2, num_prompts=0)
+    with pytest.raises(ValueError, match="scheduler"):
+        ServingConfig(scheduler="round-robin")
+    Workload(10, 10, request_rate=1, concurrency=2)  # vLLM's --request-rate with --max-concurrency
 
 
 @settings(max_examples=4, deadline=None, derandomize=True)

@@ -15,9 +15,19 @@ def test_every_published_point_names_its_source():
 
 
 def test_median_errors_meet_the_target():
-    med = median_abs_errors(compare_all())
+    rows = compare_all()
+    med = median_abs_errors(rows)
     assert med["tpot"] <= 0.25, med
     assert med["ttft"] <= 0.35, med
+    loop = median_abs_errors([r for r in rows if r.closed_loop])  # the closed-loop runs, waves and all
+    assert loop["ttft"] <= 0.20, loop
+
+
+def test_closed_loop_points_name_their_run():
+    loops = [p for p in load_points() if p["kind"] == "serving_concurrency"]
+    assert len(loops) >= 24 and {"h200", "mi300x"} <= {p["hardware"] for p in loops}
+    for p in loops:
+        assert p["concurrency"] >= 1 and p.get("scheduler", "mixed") in ("mixed", "prefill-first"), p["id"]
 
 
 def test_validation_script_prints_the_table():

@@ -12,8 +12,9 @@ from modelspec.memory import DoesNotFitError
 from modelspec.spec import PRESETS, ModelSpecError
 from planner.api import DEFAULT_CONCURRENCY, PlanRequest, PlanResult
 from planner.api import plan as run_plan
-from planner.hardware import CATALOG, HardwareError
+from planner.hardware import CATALOG, MOE_KERNELS, HardwareError
 from planner.search import ConfigError
+from planner.workload import SCHEDULERS
 
 DTYPES = ["bf16", "fp16", "fp8", "int8", "int4", "fp32"]
 QUANTIZED_WEIGHTS = ["int8", "fp8"]  # vLLM's --quantization names the planner prices as the weights' dtype
@@ -37,8 +38,22 @@ def _positive(name: str, value: float | None) -> None:
 @click.option("--prefix-hit", default=0.0, show_default=True, type=float,
               help="Fraction of prompt tokens served from the prefix cache.")
 @click.option("--request-rate", type=float, default=None, help="Poisson arrivals, requests/s (total).")
-@click.option("--concurrency", type=float, default=None,
-              help=f"Closed-loop clients (total); default {DEFAULT_CONCURRENCY} when no rate is given.")
+@click.option("--concurrency", "--max-concurrency", "concurrency", type=float, default=None,
+              help="Closed-loop clients (total; vLLM's --max-concurrency): each sends its next request when its last "
+                   "ends; with --request-rate, a cap on requests in flight; default "
+                   f"{DEFAULT_CONCURRENCY} when no rate is given.")
+@click.option("--burstiness", default=1.0, show_default=True, type=float,
+              help="Gamma shape of the gaps between sends (vLLM's --burstiness): 1 Poisson, <1 burstier, >1 smoother.")
+@click.option("--num-prompts", type=int, default=None,
+              help="Requests in the benchmark run: its first wave (every client at once) counts, as a bench measures "
+                   "it; default: the steady state.")
+@click.option("--scheduler", type=click.Choice(SCHEDULERS), default="mixed", show_default=True,
+              help="mixed: decodes ride in every step beside prefill chunks (vLLM V1, chunked prefill, TensorRT-LLM, "
+                   "jaxserve); prefill-first: prompts get steps of their own while decodes wait (vLLM V0 without "
+                   "chunked prefill, SGLang).")
+@click.option("--moe-kernels", type=click.Choice(MOE_KERNELS), default="tuned", show_default=True,
+              help="MoE kernels tuned for the device (the published mature engines' efficiencies), or untuned (e.g. "
+                   "vLLM on ROCm before its fused MoE kernels: compute /3, weight reads /1.6; docs/planner.md).")
 @click.option("--ttft-slo-ms", type=float, default=None, help="TTFT SLO for goodput.")
 @click.option("--tpot-slo-ms", type=float, default=None, help="TPOT SLO for goodput.")
 @click.option("--tp", type=int, default=None, help="Hold the tensor-parallel degree fixed.")
@@ -66,7 +81,8 @@ def _positive(name: str, value: float | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the report.")
 @click.option("--top", default=5, show_default=True, type=int, help="Candidates shown in the report.")
 def plan(model: str, hardware: str, num_devices: int | None, input_len: int, output_len: int, spread: float,
-         prefix_hit: float, request_rate: float | None, concurrency: float | None, ttft_slo_ms: float | None,
+         prefix_hit: float, request_rate: float | None, concurrency: float | None, burstiness: float,
+         num_prompts: int | None, scheduler: str, moe_kernels: str, ttft_slo_ms: float | None,
          tpot_slo_ms: float | None, tp: int | None, max_num_seqs: int | None, chunk_size: int | None,
          page_size: int, dtype: str, kv_dtype: str | None, quantization: str | None, kv_cache_dtype: str,
          gpu_memory_utilization: float, num_scheduler_steps: int, speculative_k: int | None,
@@ -82,14 +98,14 @@ def plan(model: str, hardware: str, num_devices: int | None, input_len: int, out
         kv_dtype = kv_cache_dtype
     if quantization:  # the weights' codes; an auto KV cache stays in the model's dtype, as in vLLM and the runtime
         kv_dtype, dtype = kv_dtype or dtype, quantization
-    if request_rate is not None and concurrency is not None:
-        raise click.UsageError("give --request-rate or --concurrency, not both")
+    if burstiness <= 0:
+        raise click.UsageError(f"--burstiness must be positive, got {burstiness:g}")
     for name, v in [("--num-devices", num_devices), ("--input-len", input_len), ("--output-len", output_len),
                     ("--request-rate", request_rate), ("--concurrency", concurrency), ("--tp", tp),
                     ("--max-num-seqs", max_num_seqs), ("--chunk-size", chunk_size), ("--page-size", page_size),
                     ("--ttft-slo-ms", ttft_slo_ms), ("--tpot-slo-ms", tpot_slo_ms),
                     ("--gpu-memory-utilization", gpu_memory_utilization),
-                    ("--num-scheduler-steps", num_scheduler_steps)]:
+                    ("--num-scheduler-steps", num_scheduler_steps), ("--num-prompts", num_prompts)]:
         _positive(name, v)
     if not 0 <= spread < 1 or not 0 <= prefix_hit < 1:
         raise click.UsageError("--spread and --prefix-hit must be in [0, 1)")
@@ -100,7 +116,8 @@ def plan(model: str, hardware: str, num_devices: int | None, input_len: int, out
         raise click.UsageError(f"--acceptance must be in [0, 1], got {acceptance:g}")
     req = PlanRequest(model=model, hardware=hardware, num_devices=num_devices, input_len=input_len,
                       output_len=output_len, spread=spread, prefix_hit=prefix_hit, request_rate=request_rate,
-                      concurrency=concurrency, ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms, tp=tp,
+                      concurrency=concurrency, burstiness=burstiness, num_prompts=num_prompts, scheduler=scheduler,
+                      moe_kernels=moe_kernels, ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms, tp=tp,
                       max_num_seqs=max_num_seqs, chunk_size=chunk_size, page_size=page_size, dtype=dtype,
                       kv_dtype=kv_dtype, gpu_memory_utilization=gpu_memory_utilization,
                       num_scheduler_steps=num_scheduler_steps, speculative_k=speculative_k, acceptance=acceptance,
@@ -126,7 +143,12 @@ def report(result: PlanResult, top: int = 5, console: Console | None = None) -> 
     con = console or Console(width=None if Console().is_terminal else 120)
     j = result.to_json()
     c, p, w = j["config"], j["predicted"], j["workload"]
-    load = f"{w['request_rate']:g} req/s (Poisson)" if w["request_rate"] else f"{w['concurrency']:g} clients"
+    arrivals = "Poisson" if w["burstiness"] == 1 else f"gamma, burstiness {w['burstiness']:g}"
+    clients = f"{w['concurrency']:g} clients" if w["concurrency"] else ""
+    load = (f"{w['request_rate']:g} req/s ({arrivals})" + (f", at most {clients}" if clients else "")
+            if w["request_rate"] else clients)
+    if w["num_prompts"]:
+        load += f", a run of {w['num_prompts']} requests"
     con.print(f"[bold]jaxserve plan[/bold]: {j['model']} on {j['num_devices']} x {j['hardware']}, "
               f"input {w['input_len']} / output {w['output_len']} tokens, {load}"
               + (f", prefix hit {w['prefix_hit']:.0%}" if w["prefix_hit"] else ""))

@@ -38,6 +38,7 @@ from jaxserve.runner.parallel import (
     shard_model,
 )
 from modelspec.memory import GIB, activation_bytes, kv_bytes_per_token, kv_pool_pages, weight_bytes_per_device
+from modelspec.memory import kv_budget_bytes as kv_budget
 from modelspec.spec import ModelSpec, resolve_model_path
 
 CPU_DEFAULT_KV_BYTES = 1 * GIB
@@ -83,10 +84,11 @@ def kv_budget_bytes(config: EngineConfig, spec: ModelSpec, dtype_name: str,
         return float(config.kv_cache_memory)
     device = device or jax.devices()[0]
     limit = memory_limit(device)
-    if limit is not None:
+    if limit is not None:  # the device's memory as XLA's allocator holds it, the planner's formula
         tp = config.tensor_parallel_size
-        free = (limit * config.gpu_memory_utilization - weight_bytes_per_device(spec, dtype_name, tp)
-                - activation_bytes(spec, config.max_num_batched_tokens, config.max_num_seqs, dtype_name, tp))
+        free = kv_budget(limit, config.gpu_memory_utilization,
+                         weight_bytes_per_device(spec, config.quantization or dtype_name, tp),
+                         activation_bytes(spec, config.max_num_batched_tokens, config.max_num_seqs, dtype_name, tp))
         if free <= 0:
             raise ValueError(f"{spec.name} leaves no memory for the KV cache at "
                              f"gpu_memory_utilization={config.gpu_memory_utilization}")
