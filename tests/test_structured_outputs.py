@@ -70,9 +70,9 @@ def test_a_constrained_request_draws_the_same_beside_others(tiny_llm: LLM) -> No
 def test_compiled_grammars_are_cached(tiny_llm: LLM) -> None:
     spec = constrained(regex=r"cache-[0-9]+")
     tiny_llm.generate(["a"], SamplingParams(max_tokens=8, structured_outputs=spec))
-    hits = grammar._compiled.cache_info().hits
+    hits = grammar.CACHE.hits
     tiny_llm.generate(["b", "c"], SamplingParams(max_tokens=8, structured_outputs=spec))
-    assert grammar._compiled.cache_info().hits == hits + 2
+    assert grammar.CACHE.hits == hits + 2
 
 
 def test_a_bad_constraint_is_refused_at_submission(tiny_llm: LLM) -> None:

@@ -38,6 +38,7 @@ from jaxserve.runner.model_runner import ModelRunner, StepResult, default_token_
 from jaxserve.runner.prompt_logprobs import PromptLogprobs, PromptRows, plan_rows, record
 from jaxserve.runner.sampler import SamplingArrays
 from jaxserve.spec_decode.step import SpeculativeDecoder, spec_k, spec_metrics
+from jaxserve.structured.grammar import GRAMMAR_FAILED
 from planner.model_spec import load_model_spec
 
 log = logging.getLogger("jaxserve")
@@ -314,8 +315,11 @@ class LLMEngine:
         return SamplingArrays.build(rows, runner.sampling_bucket(batch.num_seqs))
 
     def _postprocess(self, tracked: _Tracked, result, s: int, now: float) -> RequestOutput:
-        """Stamp a request's new token, record its logprobs, check its stops, and describe it."""
+        """Stamp a request's new token, record its logprobs, check its stops, and describe it. A request whose
+        grammar failed (a limit reached mid-output: structured/grammar.py) fails alone."""
         req = tracked.request
+        if req.grammar is not None and req.grammar.error is not None:
+            return self._fail(tracked, f"{GRAMMAR_FAILED}: {req.grammar.error}")
         self.counters["generation_tokens"] += 1
         req.token_times.append(now)
         if req.first_token_time is None:
