@@ -183,6 +183,7 @@ def build_app(engine: Any, log_interval: float = 10.0, limits: ServerLimits | No
         try:
             req_id = new_request_id(prefix)
             subs = await offload(big, make_subs, req_id, req)
+            await gen.compile_constraints(subs, req)
             if req.stream:
                 opts = req.stream_options
                 usage = bool(opts and opts.include_usage)
