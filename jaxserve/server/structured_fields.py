@@ -63,8 +63,9 @@ def _fields(source: dict[str, Any], prefix: str) -> dict[str, Any]:
     return out
 
 
-def structured_outputs(req: Any) -> StructuredOutputsParams | None:
-    """The request's one constraint, or None; raises UnsupportedValue for a malformed or second one."""
+def structured_outputs(req: Any, budget: int) -> StructuredOutputsParams | None:
+    """The request's one constraint, or None; raises UnsupportedValue for a malformed or second one. A tool
+    call's grammar is fitted to `budget` tokens (the request's max_tokens)."""
     found: list[tuple[str, StructuredOutputsParams]] = []
     if req.response_format is not None:
         spec = _response_format(req.response_format)
@@ -79,7 +80,8 @@ def structured_outputs(req: Any) -> StructuredOutputsParams | None:
         if value is not None:
             found.append((f"guided_{key}", _make(f"guided_{key}", **_fields({key: value}, "guided_"))))
     if "tools" in type(req).model_fields and req.tools:  # chat's (an extra field elsewhere: ignored)
-        tool = tool_constraint(req.tools, req.tool_choice)  # required, or a named function
+        parallel = req.parallel_tool_calls is not False  # OpenAI's default: true
+        tool = tool_constraint(req.tools, req.tool_choice, budget, parallel)  # required, or a named function
         if tool is not None:
             found.append(("tool_choice", tool))
     if len(found) > 1:
