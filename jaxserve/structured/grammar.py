@@ -37,6 +37,7 @@ from jaxserve.structured.limits import (
     check_grammar,
     check_json_schema,
     check_regex,
+    check_rule_count,
     check_size,
 )
 
@@ -92,7 +93,7 @@ def grammar_source(spec: StructuredOutputsParams, limits: GrammarLimits = DEFAUL
     try:
         if spec.json is not None:
             schema = check_json_schema(spec.json, limits)
-            text = spec.json if isinstance(spec.json, str) else json.dumps(schema, sort_keys=True)
+            text = spec.json if isinstance(spec.json, str) else json.dumps(schema)  # declared order: outputs keep it
             return LLMatcher.grammar_from_json_schema(text, defaults=JSON_DEFAULTS)
         if spec.json_object:
             return LLMatcher.grammar_from_json_schema(ANY_OBJECT, defaults=JSON_DEFAULTS)
@@ -102,7 +103,7 @@ def grammar_source(spec: StructuredOutputsParams, limits: GrammarLimits = DEFAUL
         if spec.choice is not None:
             check_size("".join(spec.choice), limits)
             return llguidance.grammar_from("choice", list(spec.choice))  # type: ignore[arg-type]
-        check_size(spec.grammar or "", limits)
+        check_rule_count(spec.grammar or "", limits)
         try:
             lark = any_to_lark(spec.grammar or "")
         except Exception as e:  # the GBNF converter's own errors, RecursionError included

@@ -229,13 +229,19 @@ _NAME = re.compile(r"[A-Za-z_][\w.-]*")
 _LITERALS = re.compile(r'//[^\n]*|#[^\n]*|"(?:[^"\\\n]|\\.)*"|/(?:[^/\\\n]|\\.)+/[imslux]*')
 
 
-def check_grammar(text: str, limits: GrammarLimits = DEFAULT_LIMITS) -> None:
-    """A Lark or GBNF grammar's size, rule count, rule-reference depth, groups and repetitions; and the JSON
-    schemas it embeds with `%json`."""
+def check_rule_count(text: str, limits: GrammarLimits = DEFAULT_LIMITS) -> None:
+    """A Lark or GBNF grammar's size and rule count (before the GBNF converter, Python, spends time on it)."""
     check_size(text, limits)
+    rules = sum(1 for _ in _RULE.finditer(text))
+    if rules > limits.max_rules:
+        raise _refuse("the grammar has", rules, limits.max_rules, "max_rules")
+
+
+def check_grammar(text: str, limits: GrammarLimits = DEFAULT_LIMITS) -> None:
+    """A Lark grammar's size, rule count, rule-reference depth, groups and repetitions; and the JSON schemas it
+    embeds with `%json`."""
+    check_rule_count(text, limits)
     starts = [(m.start(), m.end(), m.group(1)) for m in _RULE.finditer(text)]
-    if len(starts) > limits.max_rules:
-        raise _refuse("the grammar has", len(starts), limits.max_rules, "max_rules")
     for at in (m.end() for m in re.finditer(r"%json\s*", text)):
         try:
             schema, _ = json.JSONDecoder().raw_decode(text[at:]) if json_depth(text[at:]) <= limits.max_depth \

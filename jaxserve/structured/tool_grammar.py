@@ -31,8 +31,13 @@ class Caps:
     fraction: int  # a number's fraction digits
 
 
-CAPS_LADDER = [Caps(256, 16, 15, 6), Caps(128, 8, 12, 6), Caps(64, 8, 9, 4), Caps(32, 4, 9, 4), Caps(16, 4, 6, 3),
-               Caps(8, 2, 6, 2), Caps(4, 2, 4, 2), Caps(2, 1, 3, 1), Caps(1, 1, 2, 1)]
+# From generous to tight, each step about 3/4 of the last: 256 characters, 16 items, 15 digits, 6 decimals down to
+# one character, one item, two digits and one decimal.
+CAPS_LADDER = [Caps(max(1, int(256 * 0.75**i)), max(1, int(16 * 0.75**i)), max(2, int(15 * 0.8**i)),
+                    max(1, int(6 * 0.85**i))) for i in range(20)]
+# No \u escapes in tool arguments: a character is then at most 4 bytes (raw UTF-8), which bounds a string by its
+# length; the escapes kept cover every character a tool argument needs.
+ESCAPES = {"json_allowed_escapes": '"\\bfnrt'}
 
 
 def _json_bytes(value: Any) -> int:
@@ -124,7 +129,7 @@ class _Sizer:
             return 4
         if kind == "string":
             n = node.get("maxLength")
-            return 2 + 6 * n if isinstance(n, int) else INF  # a character is at most 6 bytes (\u00XX)
+            return 2 + 4 * n if isinstance(n, int) else INF  # a character is at most 4 bytes (no \u escapes)
         if kind in ("integer", "number"):
             lo, hi = node.get("minimum"), node.get("maximum")
             if not isinstance(lo, int | float) or not isinstance(hi, int | float):
@@ -174,25 +179,42 @@ def _resolve(root: Any, ref: str) -> Any:
     return node
 
 
+def _fitted(params: Any, budget: float) -> tuple[Any, float, int]:
+    """`params` capped as loosely as fits `budget` bytes (the tightest caps when none does), its bound, and the
+    step of CAPS_LADDER it took."""
+    for step in range(len(CAPS_LADDER)):
+        capped = cap_schema(params, CAPS_LADDER[step])
+        size = worst_case_bytes(capped)
+        if size <= budget:
+            break
+    return capped, size, step
+
+
+ROOMY_STEP = 5  # caps no tighter than this (60 characters) leave room to share the budget among parallel calls
+
+
 def call_list_schema(tools: dict[str, dict[str, Any]], budget: int, parallel: bool) -> tuple[dict[str, Any], int]:
     """The schema of `tool_choice: "required"` for `tools` (name -> parameters schema) within `budget` tokens:
-    a list of 1..k calls `{"name": ..., "parameters": ...}`; and k."""
-    for caps in CAPS_LADDER:
-        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                  "properties": {"name": {"const": name}, "parameters": cap_schema(params, caps)}}
-                 for name, params in tools.items()]
-        call = max(worst_case_bytes(c) for c in calls)
-        fits = (budget - 1) // (call + 2) if call < INF else 0  # "[", k calls and k-1 ", ", "]", the end token
-        if fits >= 1:
+    a list of 1..k calls `{"name": ..., "parameters": ...}`, each tool's arguments fitted on their own; and k.
+    With `parallel`, each call is first fitted to half the budget, so that two or more fit, unless that cuts
+    its arguments past ROOMY_STEP."""
+    for share in (2, 1) if parallel else (1,):
+        calls, largest, tightest = [], 0.0, 0
+        for name, params in tools.items():
+            wrapper = _json_bytes({"name": name, "parameters": None}) - 4  # all but the arguments
+            # "[", "]" and the end token around the calls, and ", " between them
+            capped, size, step = _fitted(params, (budget - 1) / share - 2 - wrapper)
+            calls.append({"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                          "properties": {"name": {"const": name}, "parameters": capped}})
+            largest, tightest = max(largest, wrapper + size), max(tightest, step)
+        if tightest <= ROOMY_STEP:
             break
-    k = 1 if not parallel else int(max(1, min(MAX_PARALLEL_CALLS, fits)))
-    return {"type": "array", "minItems": 1, "maxItems": k, "items": {"anyOf": calls}}, k
+    fits = int((budget - 1) // (largest + 2)) if largest < INF else 1
+    k = max(1, min(MAX_PARALLEL_CALLS, fits)) if parallel else 1
+    return {"type": "array", "minItems": 1, "maxItems": k, "items": {"anyOf": calls}, "x-guidance": ESCAPES}, k
 
 
 def arguments_schema(params: dict[str, Any], budget: int) -> dict[str, Any]:
     """A named function's arguments schema with caps that fit `budget` tokens (the tightest when none does)."""
-    for caps in CAPS_LADDER:
-        capped = cap_schema(params, caps)
-        if worst_case_bytes(capped) + 1 <= budget:  # and the end token
-            return capped
-    return capped
+    capped, _, _ = _fitted(params, budget - 1)  # and the end token
+    return {**capped, "x-guidance": {**(capped.get("x-guidance") or {}), **ESCAPES}}
