@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import random
 import statistics
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -49,16 +51,34 @@ def post(url: str, path: str, body: dict | bytes, timeout: float = 120) -> httpx
     return httpx.post(url + path, json=body, timeout=timeout)
 
 
+# /health polled from a process of its own (a thread beside the 20 client threads would share their GIL and
+# time its own waits), every 10 ms until its stdin closes; it prints the latencies.
+_PROBE = r"""
+import json, select, sys, time, httpx
+lat = []
+with httpx.Client(timeout=30) as client:
+    print("ready", flush=True)
+    while not select.select([sys.stdin], [], [], 0.01)[0]:
+        t = time.perf_counter()
+        client.get(sys.argv[1] + "/health").raise_for_status()
+        lat.append(time.perf_counter() - t)
+print(json.dumps(lat))
+"""
+
+
 def health_while_compiling(server: ServeProcess, rounds: int = 3, count: int = 20) -> dict:
     out = []
     for r in range(rounds):
         bodies = [{"prompt": "x", "max_tokens": 4, "guided_json": wide_schema(1000 * (r + 1) + i)}
                   for i in range(count)]
-        with HealthProbe(server.url, interval=0.01) as probe, ThreadPoolExecutor(count) as pool:
+        probe = subprocess.Popen([sys.executable, "-c", _PROBE, server.url], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+        assert probe.stdout is not None and probe.stdout.readline().strip() == "ready"
+        with ThreadPoolExecutor(count) as pool:
             t = time.perf_counter()
             statuses = list(pool.map(lambda b: post(server.url, COMPLETIONS, b).status_code, bodies))
             wall = time.perf_counter() - t
-        lat = sorted(probe.latencies)
+        lat = sorted(json.loads(probe.communicate("")[0].splitlines()[-1]))
         out.append({"statuses": sorted(set(statuses)), "wall_s": round(wall, 2), "probes": len(lat),
                     "health_max_ms": round(lat[-1] * 1e3, 1),
                     "health_p99_ms": round(lat[int(0.99 * (len(lat) - 1))] * 1e3, 1),
@@ -128,14 +148,68 @@ def tool_runs(server: ServeProcess, model: str, runs: int) -> dict:
     return out
 
 
+def isolation_cost(model: str, rounds: int = 20) -> dict:
+    """Per-compile latency of the two designs, alternating on distinct grammars: a thread alone (compile on a
+    64 MB stack here) against the worker process first and then that thread (what the server does)."""
+    import asyncio
+
+    from jaxserve.core.sampling_params import StructuredOutputsParams
+    from jaxserve.core.tokenizer import load_tokenizer
+    from jaxserve.structured.compile_worker import CompileWorker, on_big_stack
+    from jaxserve.structured.compiler import GrammarCompiler
+    from jaxserve.structured.grammar import compile_grammar, grammar_source, tokenizer_spec
+    from jaxserve.structured.tools import tool_constraint
+
+    tok = load_tokenizer(model)
+    vocab = getattr(tok, "vocab_size", 512)  # a BPE model's (bard: 4096); the byte presets' 512
+
+    def tools(i: int) -> list[dict]:
+        return [ADD, {**NOTE, "function": {**NOTE["function"], "name": f"note{i}"}}]
+
+    kinds = {"regex": lambda i: StructuredOutputsParams(regex=f"[a-z]{{{i + 1},{i + 9}}}-[0-9]{{4}}"),
+             "tool_calls": lambda i: tool_constraint(tools(i), "required", 300),
+             "schema_20kb": lambda i: StructuredOutputsParams(json=wide_schema(9000 + i))}
+
+    async def run() -> dict:
+        compiler = GrammarCompiler(tok, vocab)
+        await compiler.compile(StructuredOutputsParams(regex="warm"))  # the workers' start is not a compile
+        out = {}
+        for name, make in kinds.items():
+            thread, process = [], []
+            for i in range(rounds):
+                for design in ("thread", "process") if i % 2 else ("process", "thread"):
+                    spec = make(2 * i + (design == "process"))
+                    t = time.perf_counter()
+                    if design == "thread":
+                        src = await asyncio.to_thread(grammar_source, spec)
+                        await asyncio.to_thread(on_big_stack, compile_grammar, tok, vocab, src)
+                        thread.append(time.perf_counter() - t)
+                    else:
+                        await compiler.compile(spec)
+                        process.append(time.perf_counter() - t)
+            out[name] = {"thread_median_ms": round(statistics.median(thread) * 1e3, 2),
+                         "process_then_thread_median_ms": round(statistics.median(process) * 1e3, 2)}
+        out["workers_rss_mb"] = round(compiler.rss_bytes() / MB)
+        compiler.close()
+        fresh = CompileWorker(tokenizer_spec(tok, vocab), dataclasses.asdict(compiler.limits))
+        t = time.perf_counter()
+        await fresh.check(grammar_source(StructuredOutputsParams(regex="x")), 60)
+        out["worker_start_ms"] = round((time.perf_counter() - t) * 1e3)
+        fresh.kill()
+        return out
+
+    return asyncio.run(run())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="bard")
     ap.add_argument("--runs", type=int, default=20)
     args = ap.parse_args()
+    report: dict = {"model": args.model, "isolation_cost": isolation_cost(args.model)}
     with ServeProcess(args.model) as server:
         rss_start = server.rss()
-        report = {"model": args.model, "rss_start_mb": round(rss_start / MB)}
+        report["rss_start_mb"] = round(rss_start / MB)
         report["health_while_20_schemas_compile"] = health_while_compiling(server)
         report["rss_after_50_regexes"] = memory_after_regexes(server, rss_start)
         report["hostile_classes"] = hostile_classes(server)

@@ -71,10 +71,12 @@ def build_app(engine: Any, log_interval: float = 10.0, limits: ServerLimits | No
                 stats.log()
 
         task = asyncio.create_task(log_loop())
+        grammars = asyncio.create_task(gen.grammars.start())  # the compiler processes, in the background
         try:
             yield
         finally:
             task.cancel()
+            grammars.cancel()
             gen.abort_all()
 
     app = FastAPI(title="jaxserve", version=jaxserve.__version__, lifespan=lifespan)

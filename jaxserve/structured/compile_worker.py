@@ -11,6 +11,7 @@ limits; each later one a grammar source; each answer is {"ok": true, "bytes": N}
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 COMPILE_STACK_BYTES = 64 * 2**20  # the stack every llguidance compile runs on, here and in the server
+COMPILE_NICE = 10  # compiles yield the CPU to the event loop and the engine (a child, or a compile thread)
 WORKER_ADDRESS_SPACE = 2 * 2**30  # the child's virtual memory: a compile that needs more aborts the child
 START_TIMEOUT_S = 120.0  # the child's start: Python, llguidance, and the tokenizer (~1 s for a 150k vocabulary)
 _HEADER = struct.Struct(">I")
@@ -34,6 +36,8 @@ def on_big_stack(fn: Any, *args: Any, stack_bytes: int = COMPILE_STACK_BYTES) ->
 
     def run() -> None:
         try:
+            with contextlib.suppress(OSError, AttributeError):  # Linux: a thread's own priority
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
             box["value"] = fn(*args)
         except BaseException as e:  # handed to the caller's thread
             box["error"] = e
@@ -76,6 +80,7 @@ def main() -> None:
     from jaxserve.structured.limits import GrammarLimits
 
     resource.setrlimit(resource.RLIMIT_AS, (WORKER_ADDRESS_SPACE, WORKER_ADDRESS_SPACE))
+    os.nice(COMPILE_NICE)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     setup = _read(stdin)
     tok = ll_tokenizer_from(setup["tokenizer"])
@@ -137,17 +142,26 @@ class CompileWorker:
         """Compile `source` in the child within `timeout` seconds (a start, when the child is not running, has
         its own budget)."""
         try:
-            if self.proc is None or self.proc.poll() is not None:
-                proc = await asyncio.to_thread(self._start)
-                async with asyncio.timeout(START_TIMEOUT_S):
-                    await asyncio.to_thread(self._exchange, proc, self.setup)
-                self.starts += 1
-            proc = self.proc
+            proc = await self.ensure_started()
             async with asyncio.timeout(timeout):
                 return await asyncio.to_thread(self._exchange, proc, source)
         except (TimeoutError, WorkerCrashed, asyncio.CancelledError):
             self.kill()
             raise
+
+    async def ensure_started(self) -> subprocess.Popen[bytes]:
+        """The running child, started (and set up) first when there is none."""
+        if self.proc is None or self.proc.poll() is not None:
+            proc = await asyncio.to_thread(self._start)
+            try:
+                async with asyncio.timeout(START_TIMEOUT_S):
+                    await asyncio.to_thread(self._exchange, proc, self.setup)
+            except BaseException:
+                self.kill()
+                raise
+            self.starts += 1
+        assert self.proc is not None
+        return self.proc
 
     def kill(self) -> None:
         """End the child (reaped on a thread; the next check starts another). Its reader thread sees EOF."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from jaxserve.core.sampling_params import StructuredOutputsParams
@@ -50,6 +51,8 @@ class GrammarCompiler:
         self._idle: asyncio.Queue[CompileWorker] | None = None
         self._pending: dict[str, asyncio.Future[CompiledGrammar]] = {}
         self.crashes = self.timeouts = 0
+        # Checks and compiles here, two at a time: more would only contend for the GIL with the event loop.
+        self._threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxserve-grammar")
 
     def _pool(self) -> asyncio.Queue[CompileWorker]:
         if self._idle is None:
@@ -61,10 +64,24 @@ class GrammarCompiler:
                 self._idle.put_nowait(worker)
         return self._idle
 
+    async def start(self) -> None:
+        """Start the child processes now (a server calls it at start-up, so that the first grammars do not wait
+        for them); a model without a tokenizer llguidance can use starts none."""
+        try:
+            idle = self._pool()
+        except GrammarError:
+            return
+        try:
+            await asyncio.gather(*(w.ensure_started() for w in self.workers))
+        except (OSError, TimeoutError, WorkerCrashed) as e:  # they start again on first use
+            logger.warning("the grammar compiler processes did not start (%s); they will on first use", e)
+        assert idle is self._idle
+
     async def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         """`spec`'s compiled grammar (cached, or compiled now); raises GrammarError (GrammarLimitError for a
         limit) with a one-line message."""
-        source = await asyncio.to_thread(grammar_source, spec, self.limits)  # the checks are Python: off the loop
+        loop = asyncio.get_running_loop()
+        source = await loop.run_in_executor(self._threads, grammar_source, spec, self.limits)  # Python: off the loop
         hit = self.cache.get(source)
         if hit is not None:
             return hit
@@ -90,8 +107,8 @@ class GrammarCompiler:
             raise GrammarLimitError(f"the constraint takes {nbytes / 2**20:.1f} MB compiled, past this server's "
                                     f"limit of {self.max_grammar_bytes / 2**20:.1f} MB a grammar (a quarter of "
                                     "--structured-outputs-cache-bytes)")
-        compiled = await asyncio.to_thread(on_big_stack, compile_grammar, self.tokenizer, self.vocab_size, source,
-                                           self.limits)
+        compiled = await asyncio.get_running_loop().run_in_executor(
+            self._threads, on_big_stack, compile_grammar, self.tokenizer, self.vocab_size, source, self.limits)
         compiled.nbytes = nbytes  # the child measured it alone; here other threads allocate meanwhile
         self.cache.put(source, compiled, nbytes)
         return compiled

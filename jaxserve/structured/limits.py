@@ -141,13 +141,22 @@ def check_json_schema(schema: str | dict[str, Any], limits: GrammarLimits = DEFA
         obj = schema
     if not isinstance(obj, dict | bool):
         raise GrammarError("a JSON schema must be an object")
-    depth = schema_depth(obj)
-    if depth > limits.max_depth:
-        raise _refuse("the JSON schema nests, following its $refs,", depth, limits.max_depth, "max_depth")
-    if not isinstance(schema, str):
-        check_size(json.dumps(obj), limits)  # bounded nesting: json.dumps cannot recurse too deep
-    for pattern in _patterns(obj):
-        check_regex(pattern, limits)
+    text = schema if isinstance(schema, str) else None
+    if text is None:
+        try:
+            text = json.dumps(obj)
+        except RecursionError:  # Python's guard, far past any limit here
+            raise _refuse("the JSON schema nests more than", 900, limits.max_depth, "max_depth") from None
+        check_size(text, limits)
+        if json_depth(text) > limits.max_depth:
+            raise _refuse("the JSON schema nests", json_depth(text), limits.max_depth, "max_depth")
+    if '"$ref"' in text:  # only refs make the depth more than the text's (measured above)
+        depth = schema_depth(obj)
+        if depth > limits.max_depth:
+            raise _refuse("the JSON schema nests, following its $refs,", depth, limits.max_depth, "max_depth")
+    if '"pattern"' in text:
+        for pattern in _patterns(obj):
+            check_regex(pattern, limits)
     return obj
 
 
