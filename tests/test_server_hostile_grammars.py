@@ -29,7 +29,7 @@ MB = 2**20
 RSS_BOUND = 300 * MB  # issue 40's target, for the server process alone
 HEALTH_BOUND_S = 1.0  # loose for CI's shared cores; the 100 ms target is measured by the benchmark
 FLAGS = ("--max-num-seqs", "16", "--max-num-batched-tokens", "128", "--chunk-size", "64",
-         "--kv-cache-memory", "8MiB", "--max-model-len", "1024", "--structured-outputs-cache-bytes", "16MiB")
+         "--kv-cache-memory", "8MiB", "--max-model-len", "1024", "--structured-outputs-cache-bytes", "32MiB")
 
 
 @pytest.fixture(scope="module")
@@ -79,10 +79,13 @@ def test_constraints_past_the_limits_are_400s_naming_field_and_limit(server: Ser
 def test_distinct_pathological_regexes_leave_memory_bounded(server: ServeProcess) -> None:
     rng = random.Random(7)
     regexes = {repetition_regex(rng, over=i % 2 == 1) for i in range(30)}
-    for rx in sorted(regexes):
+    accepted = 0
+    for rx in sorted(regexes):  # about 4.6 MB each compiled: a 32 MiB cache keeps six, evicting the rest
         r = _post(server, COMPLETIONS, {"prompt": "x", "max_tokens": 6, "guided_regex": rx})
         if r.status_code == 400:
             assert "max_repeat" in r.json()["error"]["message"]
+        accepted += r.status_code == 200
+    assert accepted >= 10
     assert server.children_rss() < 1024 * MB  # the worker processes are bounded too
 
 
