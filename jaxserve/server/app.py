@@ -184,7 +184,8 @@ def build_app(engine: Any, log_interval: float = 10.0, limits: ServerLimits | No
         release: Callable[[], None] | None = admission.reserve(num_sequences(req))
         try:
             req_id = new_request_id(prefix)
-            subs = await offload(big, make_subs, req_id, req)
+            many_tools = len(getattr(req, "tools", None) or ()) > 8  # their grammar is fitted to max_tokens
+            subs = await offload(big or many_tools, make_subs, req_id, req)
             await gen.compile_constraints(subs, req)
             if req.stream:
                 opts = req.stream_options

@@ -111,8 +111,10 @@ class _SamplingRequest(BaseModel):
         if self.prompt_logprobs is not None and self.stream:  # vLLM's rule too
             raise UnsupportedValue("prompt_logprobs", "prompt_logprobs is not available when streaming")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, seed: int | None) -> SamplingParams:
-        """The engine's SamplingParams; raises ValueError naming an invalid field."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, seed: int | None,
+                        constraint: Any = ...) -> SamplingParams:
+        """The engine's SamplingParams; raises ValueError naming an invalid field. `constraint` is the request's
+        structured output constraint when already built (`structured_outputs(self, max_tokens)` otherwise)."""
         kw: dict[str, Any] = {}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
@@ -124,7 +126,8 @@ class _SamplingRequest(BaseModel):
                               seed=seed, ignore_eos=self.ignore_eos, logprobs=logprobs,
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               logit_bias=self.token_bias(), min_tokens=self.min_tokens, bad_words=self.bad_words,
-                              structured_outputs=structured_outputs(self, max_tokens or 1), **kw)
+                              structured_outputs=structured_outputs(self, max_tokens) if constraint is ...
+                              else constraint, **kw)
 
     def prompt_logprobs_k(self) -> int | None:
         return self.prompt_logprobs
@@ -152,7 +155,7 @@ class _SamplingRequest(BaseModel):
         if self.seed is not None and 0 <= self.seed < SEED_RANGE <= self.seed + self.n - 1:
             raise UnsupportedValue("seed", f"seed + n - 1 must be below 2**32 (choice i uses seed + i), got seed "
                                            f"{self.seed} with n {self.n}", "invalid_value")
-        self.sampling_params(self.max_tokens or 1, None, self.seed)
+        self.sampling_params(self.max_tokens or 1, None, self.seed, structured_outputs(self, None))
 
 
 class CompletionRequest(_SamplingRequest):

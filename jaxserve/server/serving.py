@@ -31,7 +31,7 @@ from jaxserve.server.errors import APIError
 from jaxserve.server.limits import ServerLimits
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedValue
 from jaxserve.server.responses import Usage
-from jaxserve.server.structured_fields import constraint_field
+from jaxserve.server.structured_fields import constraint_field, structured_outputs
 from jaxserve.server.token_text import TokenText
 from jaxserve.structured.compiler import GrammarCompiler
 from jaxserve.structured.grammar import GRAMMAR_FAILED
@@ -110,7 +110,9 @@ class Generator(ChoiceFormatter):
             for i in range(req.n):
                 seed = None if req.seed is None else req.seed + i
                 try:
-                    params = req.sampling_params(max_tokens, logprobs, seed)
+                    if i == 0:  # built once a prompt: a tool call's grammar is fitted to the budget (ms per tool)
+                        constraint = structured_outputs(req, max_tokens)
+                    params = req.sampling_params(max_tokens, logprobs, seed, constraint)
                 except ValueError as e:
                     raise APIError(400, str(e), str(e).split(" ")[0], "invalid_value") from None
                 k = p * req.n + i

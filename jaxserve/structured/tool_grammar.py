@@ -181,13 +181,26 @@ def _resolve(root: Any, ref: str) -> Any:
 
 def _fitted(params: Any, budget: float) -> tuple[Any, float, int]:
     """`params` capped as loosely as fits `budget` bytes (the tightest caps when none does), its bound, and the
-    step of CAPS_LADDER it took."""
-    for step in range(len(CAPS_LADDER)):
+    step of CAPS_LADDER it took: a binary search, since tighter caps never make a schema larger."""
+    def at(step: int) -> tuple[Any, float]:
         capped = cap_schema(params, CAPS_LADDER[step])
-        size = worst_case_bytes(capped)
-        if size <= budget:
-            break
-    return capped, size, step
+        return capped, worst_case_bytes(capped)
+
+    capped, size = at(0)
+    if size <= budget or size == INF:  # fits as it is, or no cap can bound it
+        return capped, size, 0
+    lo, hi = 0, len(CAPS_LADDER) - 1  # at(lo) does not fit; find the first step that does
+    best = at(hi)
+    if best[1] > budget:
+        return best[0], best[1], hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        got = at(mid)
+        if got[1] <= budget:
+            hi, best = mid, got
+        else:
+            lo = mid
+    return best[0], best[1], hi
 
 
 ROOMY_STEP = 5  # caps no tighter than this (60 characters) leave room to share the budget among parallel calls

@@ -145,12 +145,15 @@ def named_function(tool_choice: Any) -> str | None:
     return None
 
 
-def tool_constraint(tools: list[dict[str, Any]] | None, tool_choice: Any, budget: int,
-                    parallel: bool = True) -> StructuredOutputsParams | None:
+def tool_constraint(tools: list[dict[str, Any]] | None, tool_choice: Any, budget: int | None,
+                    parallel: bool = True) -> StructuredOutputsParams | bool | None:
     """The grammar that enforces `tool_choice` (required or a named function) within `budget` tokens
-    (structured/tool_grammar.py), else None."""
+    (structured/tool_grammar.py), else None; with `budget` None only whether there is one (True or None)."""
     if not tools:
         return None
+    enforced = named_function(tool_choice) is not None or tool_choice == "required"
+    if budget is None:
+        return True if enforced else None
     name = named_function(tool_choice)
     if name is not None:
         tool = next(t for t in tools if t["function"]["name"] == name)
