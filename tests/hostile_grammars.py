@@ -11,6 +11,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -204,7 +205,7 @@ class ServeProcess:
     def __init__(self, model: str, *flags: str, log: Path | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log or Path(f"/tmp/jaxserve-hostile-{self.port}.log")
+        self.log_path = log or Path(tempfile.gettempdir()) / f"jaxserve-hostile-{self.port}.log"
         self.args = [sys.executable, "-m", "jaxserve", "serve", "--model", model, "--port", str(self.port), *flags]
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -232,6 +233,7 @@ class ServeProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+        self.log_path.unlink(missing_ok=True)
 
     @property
     def alive(self) -> bool:
