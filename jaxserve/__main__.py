@@ -1,5 +1,5 @@
 """`python -m jaxserve` runs the command line."""
 
-from jaxserve.cli import main
+from jaxserve.cli.main import main
 
 main()

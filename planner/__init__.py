@@ -3,7 +3,7 @@
 Entry points (see planner.api): `plan(PlanRequest) -> PlanResult`, `predict_step`, `predict_serving`,
 `choose_chunk_size`, `choose_num_scheduler_steps`, `predict_speculative` / `choose_k` (speculative decoding),
 `fit_coefficients` (calibration), `pool_balance`
-(disaggregated pools); the memory formula the runtime sizes its KV pool with is `planner.memory.kv_pool_pages`.
+(disaggregated pools); the memory formula the runtime sizes its KV pool with is `modelspec.memory.kv_pool_pages`.
 """
 
 from planner.api import (

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from modelspec.dtypes import dtype_bytes
+from modelspec.memory import MemoryPlan
+from modelspec.spec import ModelSpec, load_model_spec
 from planner.disaggregate import DisaggPlan, plan_disaggregated
-from planner.dtypes import dtype_bytes
 from planner.hardware import Hardware, load_hardware
-from planner.memory import MemoryPlan
-from planner.model_spec import ModelSpec, load_model_spec
 from planner.search import Candidate, search
 from planner.serving import ServingConfig, ServingPrediction, Workload
 from planner.serving import predict_serving as _predict_serving
@@ -63,7 +63,7 @@ def predict_serving(model: str | ModelSpec, hardware: str | Path | Hardware, wor
 
     `workload` holds the lengths and either `request_rate` (Poisson, req/s) or `concurrency` (closed-loop
     clients), both totals over `config.replicas`. `memory`: the KV pool actually allocated (e.g. the
-    runtime's, from `planner.memory.plan_memory` or its own page count) instead of a share of the device.
+    runtime's, from `modelspec.memory.plan_memory` or its own page count) instead of a share of the device.
     """
     return _predict_serving(resolve_model(model), load_hardware(hardware), workload, config or ServingConfig(),
                             ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms, memory=memory)

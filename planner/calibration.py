@@ -43,8 +43,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from modelspec.spec import ModelSpec
 from planner.hardware import Coefficients, Hardware
-from planner.model_spec import ModelSpec
 from planner.step_model import (
     ATTENTION_PASS,
     ATTENTION_SMALL,

@@ -15,9 +15,9 @@ from functools import lru_cache
 
 import numpy as np
 
+from modelspec.memory import DoesNotFitError, kv_bytes_per_token, plan_memory
+from modelspec.spec import ModelSpec
 from planner.hardware import Hardware
-from planner.memory import DoesNotFitError, kv_bytes_per_token, plan_memory
-from planner.model_spec import ModelSpec
 from planner.search import tp_options
 from planner.serving import SAMPLES, Dist, Workload
 from planner.step_model import decode_shape, prefill_shape, step_time_shape

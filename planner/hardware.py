@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from planner.dtypes import short_name
+from modelspec.dtypes import short_name
 
 TERA = 1e12
 GIGA = 1e9

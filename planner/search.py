@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from modelspec.memory import DoesNotFitError
+from modelspec.spec import ModelSpec
 from planner.hardware import Hardware
-from planner.memory import DoesNotFitError
-from planner.model_spec import ModelSpec
 from planner.serving import ServingConfig, ServingPrediction, Workload, predict_serving
 
 MAX_NUM_SEQS_GRID = (16, 32, 64, 128, 256, 512)

@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
+from modelspec.memory import MemoryPlan, plan_memory
+from modelspec.spec import ModelSpec
 from planner.hardware import Hardware
-from planner.memory import MemoryPlan, plan_memory
-from planner.model_spec import ModelSpec
 from planner.queueing import erlang_c
 from planner.step_model import (
     StepShape,
@@ -349,7 +349,7 @@ def predict_serving(spec: ModelSpec, hw: Hardware, workload: Workload, config: S
                     memory: MemoryPlan | None = None, seed: int = 0) -> ServingPrediction:
     """Predict TTFT/TPOT/ITL, throughput and goodput for `workload` on `config` (closed form, all replicas).
 
-    Raises `planner.memory.DoesNotFitError` if the model does not fit at this TP degree.
+    Raises `modelspec.memory.DoesNotFitError` if the model does not fit at this TP degree.
     """
     mem = memory or plan_memory(spec, hw.memory_bytes, tp=config.tp, dtype=config.dtype, kv_dtype=config.kv_dtype,
                                 page_size=config.page_size, chunk_size=config.chunk_size,

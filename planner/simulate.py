@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from modelspec.memory import plan_memory
+from modelspec.spec import ModelSpec
 from planner.hardware import Hardware
-from planner.memory import plan_memory
-from planner.model_spec import ModelSpec
 from planner.serving import Dist, ServingConfig, Workload
 from planner.step_model import (
     StepShape,

@@ -23,8 +23,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from modelspec.spec import ModelSpec
 from planner.hardware import Hardware
-from planner.model_spec import ModelSpec
 from planner.step_model import (
     LM_HEAD,
     StepShape,

@@ -20,11 +20,11 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from planner.dtypes import dtype_bytes
+from modelspec.dtypes import dtype_bytes
+from modelspec.memory import kv_heads_per_device, kv_scale_bytes
+from modelspec.moe_tiles import DECODE_TILE_MAX, expected_tiles, tile_rows
+from modelspec.spec import ModelSpec
 from planner.hardware import Coefficients, Hardware
-from planner.memory import kv_heads_per_device, kv_scale_bytes
-from planner.model_spec import ModelSpec
-from planner.moe_tiles import DECODE_TILE_MAX, expected_tiles, tile_rows
 
 # The per-pass part of prefill attention: FLOPs of one query row over each chunk's KV, which `time_ops` scales
 # by the `attn_m_half` coefficient (0 for every catalog device; `jaxserve calibrate` fits it).
@@ -36,7 +36,7 @@ SMALL_CHUNK_ROWS = 32
 ATTENTION_SMALL = "attention_small"
 # GEMMs of at most this many rows (the projections of steps of at most this many tokens, the LM head of at most
 # this many sequences) are priced apart where a profile says so (`gemm_small_eff_scale` > 0): on a CPU jaxserve
-# runs them in its own matmul kernel (`jaxserve.model.kernels.cpu_matmul.MAX_ROWS` is this constant), whose
+# runs them in its own matmul kernel (`jaxserve.kernels.cpu.matmul.MAX_ROWS` is this constant), whose
 # FLOP rate does not ramp with the rows the way a GEMM library's does; from there on XLA's GEMM takes them.
 SMALL_GEMM_ROWS = 32
 # The LM head's op: on a CPU its kernel reads the embedding at the memory's rate and adds little compute per row,
@@ -199,7 +199,7 @@ def op_costs(spec: ModelSpec, shape: StepShape, *, tp: int = 1, dtype: str = "bf
         distinct = expected_experts(E, k, real)
         ops.append(OpCost("router", flops=2 * T * h * E, weight_bytes=h * E * bw, act_bytes=T * (h + E) * 4,
                           count=spec.num_moe_layers, gemm_rows=T))
-        if T > DECODE_TILE_MAX:  # prefill-sized: every row of every tile is computed (planner/moe_tiles.py)
+        if T > DECODE_TILE_MAX:  # prefill-sized: every row of every tile is computed (modelspec/moe_tiles.py)
             rows = tile_rows(math.ceil(T), k, E)
             expert_rows = expected_tiles(math.ceil(real), k, E, padded_tokens=math.ceil(T)) * rows
         else:  # one tile per touched expert, its padding skipped

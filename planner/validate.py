@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from modelspec.spec import load_model_spec
 from planner.hardware import Hardware, load_hardware
-from planner.model_spec import load_model_spec
 from planner.serving import ServingConfig, Workload, predict_serving
 from planner.step_model import decode_shape, prefill_shape, step_time_shape
 

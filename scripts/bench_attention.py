@@ -25,7 +25,7 @@ import numpy as np
 from jaxserve.model.attention.metadata import AttentionMetadata
 from jaxserve.model.attention.reference import ReferenceAttention, reference_for
 from jaxserve.model.attention.select import select_backend
-from planner.model_spec import PRESETS
+from modelspec.spec import PRESETS
 
 
 def make_case(spec, seqs: list[tuple[int, int]], num_decodes: int, page_size: int, max_model_len: int,

@@ -24,7 +24,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
-    from jaxserve.core.engine_config import EngineConfig
+    from jaxserve.config.engine import EngineConfig
     from jaxserve.core.sampling_params import SamplingParams
     from jaxserve.engine.llm_engine import LLMEngine
 

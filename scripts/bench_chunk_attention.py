@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 from bench_attention import best_time, make_case  # scripts/ is on the path when a script runs
 
-from jaxserve.model.attention.cpu import CpuKernelAttention
+from jaxserve.kernels.cpu.attention_backend import CpuKernelAttention
 from jaxserve.model.attention.metadata import AttentionMetadata
 from jaxserve.model.attention.paged_attention import DEFAULT_Q_BLOCKS
 from jaxserve.model.attention.reference import ReferenceAttention
-from planner.model_spec import PRESETS
+from modelspec.spec import PRESETS
 
 
 def main() -> None:

@@ -8,7 +8,7 @@
 Each variant is one engine (`small`, float32, a 256 MiB KV pool) running `--batch` decodes after 128-token
 prompts; `--eigen-max-rows` sets `jaxserve.model.layers.CPU_EIGEN_MAX_ROWS` while that engine first traces its
 forward (0: every projection goes to XLA's default GEMM); `--cpu-matmul-max-rows` sets
-`jaxserve.model.kernels.cpu_matmul.MAX_ROWS` the same way (0: no projection goes to jaxserve's matmul kernel);
+`jaxserve.kernels.cpu.matmul.MAX_ROWS` the same way (0: no projection goes to jaxserve's matmul kernel);
 `--cpu-kernels 0` keeps attention and projections in XLA.
 Rounds alternate the variants, so a machine that
 slows down mid-run slows all of them; the script prints each round's median, the median of the rounds, and
@@ -24,9 +24,9 @@ import time
 import jax
 import numpy as np
 
-import jaxserve.model.kernels.cpu_matmul as cpu_matmul
+import jaxserve.kernels.cpu.matmul as cpu_matmul
 import jaxserve.model.layers as layers
-from jaxserve.core.engine_config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.runner.model_runner import bucket_for

@@ -21,7 +21,7 @@ from bench_attention import best_time, make_case  # scripts/ is on the path when
 
 from jaxserve.model.attention import kv_quant
 from jaxserve.model.attention.select import select_backend
-from planner.model_spec import PRESETS
+from modelspec.spec import PRESETS
 
 KINDS = ("auto", "int8", "fp8")
 

@@ -20,7 +20,7 @@ from flax import nnx
 
 from jaxserve.model.checkpoint import convert, load_checkpoint, save_hf_checkpoint
 from jaxserve.model.llama import LlamaForCausalLM
-from planner.model_spec import PRESETS, load_model_spec
+from modelspec.spec import PRESETS, load_model_spec
 
 
 def timed_load(folder: Path) -> tuple[float, LlamaForCausalLM]:

@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.model.kernels import cpu_kernels
+from jaxserve.kernels.cpu import library as cpu_kernels
 from jaxserve.model.moe import MoE
-from planner.model_spec import PRESETS
+from modelspec.spec import PRESETS
 
 
 def _inputs(tokens: int, k: int, distinct: int, hidden: int, scale: float = 20.0) -> np.ndarray:

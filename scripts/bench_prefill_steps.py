@@ -34,10 +34,10 @@ def main() -> None:
 
     import numpy as np
 
-    from jaxserve.calibrate.calibrate import planner_dtypes
     from jaxserve.core.sampling_params import SamplingParams
     from jaxserve.engine.llm_engine import LLMEngine
-    from jaxserve.report.context import ReportConfig
+    from jaxserve.measure.calibrate.calibrate import planner_dtypes
+    from jaxserve.measure.report.context import ReportConfig
     from planner.api import predict_step
 
     decodes = [int(d) for d in args.decodes.split(",")]

@@ -1,6 +1,6 @@
 """Prefix caching on and off, on the two workloads of issue 4, with the planner's prediction beside them.
 
-Workloads (jaxserve.bench.datasets): multi-turn chat (each turn's prompt is the whole conversation so far plus
+Workloads (jaxserve.measure.bench.datasets): multi-turn chat (each turn's prompt is the whole conversation so far plus
 a new message; conversations run side by side, each turn waiting for the previous one) and a shared system
 prompt (groups of requests sharing a long prefix, short questions, Poisson arrivals). One engine per setting
 (caching on / off), the same requests for both. Prints mean and p90 TTFT, the mean TTFT of turns whose
@@ -48,8 +48,8 @@ def predict_ttft(model: str, profile: str, s: dict, concurrency: float | None, r
     queue behind each other, which the closed form's steady state does not see.
     """
     import planner
+    from modelspec.memory import MemoryPlan, kv_bytes_per_token
     from planner.api import load_hardware, resolve_model
-    from planner.memory import MemoryPlan, kv_bytes_per_token
     from planner.simulate import simulate
 
     cfg = engine.config
@@ -84,10 +84,10 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    from jaxserve.bench.datasets import DatasetConfig, generate
-    from jaxserve.bench.load import LoadConfig, run_engine
-    from jaxserve.core.engine_config import EngineConfig
+    from jaxserve.config.engine import EngineConfig
     from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.measure.bench.datasets import DatasetConfig, generate
+    from jaxserve.measure.bench.load import LoadConfig, run_engine
 
     workloads = {
         "multi-turn": (DatasetConfig(name="multi-turn", num_prompts=args.conversations * args.turns,

@@ -22,12 +22,12 @@ import numpy as np
 from bench_forward_ab import forward_on_decodes  # scripts/ is on the path when a script runs
 
 from jaxserve import LLM
-from jaxserve.core.engine_config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.core.tokenizer import load_tokenizer
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.eval.agreement import agreement_counts, greedy_tokens
-from jaxserve.eval.perplexity import perplexity
-from jaxserve.eval.windows import read_eval_text
+from jaxserve.measure.eval.agreement import agreement_counts, greedy_tokens
+from jaxserve.measure.eval.perplexity import perplexity
+from jaxserve.measure.eval.windows import read_eval_text
 from jaxserve.model.quantize import param_bytes
 
 

@@ -22,12 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxserve.core.engine_config import EngineConfig  # noqa: E402
+from jaxserve.config.engine import EngineConfig  # noqa: E402
 from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.engine.factory import create_engine  # noqa: E402
 from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
+from modelspec.spec import load_model_spec, resolve_model_path  # noqa: E402
 from planner.hardware import load_hardware  # noqa: E402
-from planner.model_spec import load_model_spec, resolve_model_path  # noqa: E402
 from planner.speculative import acceptance_from_tokens_per_step, choose_k, predict_speculative  # noqa: E402
 
 PASSAGE = ("The lighthouse keeper climbed the spiral stairs at dusk, lit the great lamp, and wrote in his log that "

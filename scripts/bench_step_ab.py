@@ -3,8 +3,8 @@
     python scripts/bench_step_ab.py --base eba4aed~1 --batch 1 --modes sync,async
     python scripts/bench_step_ab.py --base eba4aed~1 --batch 16 --modes sync
 
-`--base REV`'s `cpu_matmul.cc` (with its headers, from `git show`) is built into a library of its own and
-registered under targets of its own; engines traced while `jaxserve.model.kernels.cpu_matmul`'s targets name them run
+`--base REV`'s `matmul.cc` (with its headers, from `git show`) is built into a library of its own and
+registered under targets of its own; engines traced while `jaxserve.kernels.cpu.matmul`'s targets name them run
 REV's matmuls, everything else the working tree's. Each variant (base or working tree) and mode (synchronous or
 asynchronous scheduling) is one engine (`--model`, float32, a 256 MiB KV pool) with `--batch` requests decoding
 after `--prompt-len`-token prompts. Rounds alternate the engines and time `--steps` steps each, so a machine
@@ -25,12 +25,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxserve.core.engine_config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.model.kernels import cpu_kernels, cpu_matmul
+from jaxserve.kernels.cpu import library as cpu_kernels
+from jaxserve.kernels.cpu import matmul as cpu_matmul
 
-MATMUL_FILES = ("cpu_matmul.cc", "cpu_pool.h", "cpu_vec.h")
+MATMUL_FILES = ("matmul.cc", "pool.h", "vec.h")
 
 
 def register_base_matmul(rev: str) -> tuple[str, str]:
@@ -41,7 +42,7 @@ def register_base_matmul(rev: str) -> tuple[str, str]:
                               check=True).stdout
         (folder / name).write_text(text)
     lib_path = folder / "base_matmul.so"
-    subprocess.run(["c++", *cpu_kernels.FLAGS, f"-I{jax.ffi.include_dir()}", str(folder / "cpu_matmul.cc"), "-o",
+    subprocess.run(["c++", *cpu_kernels.FLAGS, f"-I{jax.ffi.include_dir()}", str(folder / "matmul.cc"), "-o",
                     str(lib_path)], capture_output=True, text=True, check=True)
     lib = ctypes.cdll.LoadLibrary(str(lib_path))
     targets = ("ab_base_matmul", "ab_base_matmul_nt")
@@ -70,7 +71,7 @@ def decoding_engine(args: argparse.Namespace, targets: tuple[str, str], async_sc
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--base", required=True, help="git revision whose cpu_matmul.cc is the baseline")
+    ap.add_argument("--base", required=True, help="git revision whose matmul.cc is the baseline")
     ap.add_argument("--model", default="small")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=128)

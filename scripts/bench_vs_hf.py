@@ -74,7 +74,7 @@ def hf_run(model, prompts: list[list[int]], new_tokens: int) -> float:
 
 def decode_floor(spec, batch: int, mean_context: float, bandwidth: float, tpot_s: float) -> dict:
     """A decode step's bytes (weights once, each sequence's KV) over `bandwidth`, and TPOT as a multiple of it."""
-    from planner.memory import kv_bytes_per_token, weight_bytes_per_device
+    from modelspec.memory import kv_bytes_per_token, weight_bytes_per_device
 
     step_bytes = weight_bytes_per_device(spec, "fp32") + batch * mean_context * kv_bytes_per_token(spec, "fp32")
     floor = step_bytes / bandwidth
@@ -140,9 +140,9 @@ def main() -> None:
         ap.error("--llamacpp needs --llamacpp-src pointing at llama.cpp's source (with convert_hf_to_gguf.py)")
 
     from jaxserve import LLM, SamplingParams
-    from jaxserve.calibrate.microbench import measure_bandwidth
-    from jaxserve.model.kernels import cpu_kernels
-    from planner.model_spec import load_model_spec
+    from jaxserve.kernels.cpu import library as cpu_kernels
+    from jaxserve.measure.calibrate.microbench import measure_bandwidth
+    from modelspec.spec import load_model_spec
 
     if not args.no_cpu_kernels and not cpu_kernels.load(cpu_kernels.CACHE_DIR, args.kernel_variant):
         ap.error(f"the {args.kernel_variant} build of jaxserve's CPU kernels is not available")

@@ -27,11 +27,11 @@ import json
 import sys
 import time
 
-from jaxserve.calibrate.calibrate import calibrate
+from jaxserve.measure.calibrate.calibrate import calibrate
 from jaxserve.model.dtypes import planner_dtype
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.report.context import Context
-from jaxserve.report.chunked import run_chunked
+from jaxserve.measure.report.context import Context
+from jaxserve.measure.report.chunked import run_chunked
 from scripts.gpu_config import report_config
 
 out, model, dtype, kv_gib = sys.argv[1:5]

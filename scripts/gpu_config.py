@@ -6,8 +6,8 @@ Five token buckets, not fourteen: each costs a GPU compile, and padding a small 
 
 from __future__ import annotations
 
-from jaxserve.calibrate.calibrate import CalibrationConfig
-from jaxserve.report.context import ReportConfig
+from jaxserve.measure.calibrate.calibrate import CalibrationConfig
+from jaxserve.measure.report.context import ReportConfig
 from planner.api import resolve_model
 
 

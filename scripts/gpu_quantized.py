@@ -27,14 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_step import _gpu_name, begin, finish, guarded, to_decoding  # noqa: E402
 
-from jaxserve.core.engine_config import EngineConfig  # noqa: E402
+from jaxserve.config.engine import EngineConfig  # noqa: E402
 from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
-from jaxserve.eval.agreement import agreement_counts  # noqa: E402
+from jaxserve.measure.eval.agreement import agreement_counts  # noqa: E402
 from jaxserve.model.dtypes import planner_dtype  # noqa: E402
 from jaxserve.runner.model_runner import bucket_for  # noqa: E402
+from modelspec.spec import PRESETS  # noqa: E402
 from planner.hardware import load_hardware  # noqa: E402
-from planner.model_spec import PRESETS  # noqa: E402
 from planner.step_model import decode_shape, op_costs  # noqa: E402
 
 # (label, --quantization, --kv-cache-dtype); the first is the reference the others are compared with.

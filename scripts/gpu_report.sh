@@ -42,7 +42,7 @@ import jax
 if jax.devices()[0].platform == "cpu":
     print("warning: no accelerator found; this run measures the CPU", flush=True)
 
-from jaxserve.report.run import run_report
+from jaxserve.measure.report.run import run_report
 from scripts.gpu_config import report_config
 
 out = sys.argv[1]

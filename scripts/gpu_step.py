@@ -33,16 +33,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.core.engine_config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.kernels.gpu.ragged_paged_attention import PallasAttention
 from jaxserve.model.attention.metadata import AttentionMetadata
-from jaxserve.model.attention.pallas import PallasAttention
 from jaxserve.model.attention.reference import ACCELERATOR_TUNING, CPU_TUNING
 from jaxserve.runner.model_runner import bucket_for
+from modelspec.memory import weight_bytes_per_device
+from modelspec.spec import PRESETS
 from planner.hardware import load_hardware
-from planner.memory import weight_bytes_per_device
-from planner.model_spec import PRESETS
 from planner.step_model import decode_shape, op_costs, prefill_shape
 
 

@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true", help="also time the host's parts of a step")
     args = ap.parse_args()
 
-    from jaxserve.core.engine_config import EngineConfig
+    from jaxserve.config.engine import EngineConfig
     from jaxserve.core.sampling_params import SamplingParams
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.runner.sampler import SamplingArrays

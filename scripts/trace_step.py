@@ -70,8 +70,8 @@ def trace_prefills(ap: argparse.ArgumentParser, model: str, cases: list[tuple[in
     """One traced prefill step per case: the forward, its attention calls, the rest; then the attention fit."""
     from jaxserve.core.sampling_params import SamplingParams
     from jaxserve.engine.llm_engine import LLMEngine
-    from jaxserve.model.kernels import cpu_matmul
-    from jaxserve.report.context import ReportConfig
+    from jaxserve.kernels.cpu import matmul as cpu_matmul
+    from jaxserve.measure.report.context import ReportConfig
 
     engine = LLMEngine(ReportConfig(model=model).engine_config())
     if any(c * n > engine.config.max_num_batched_tokens or c > engine.config.max_num_seqs for c, n in cases):
@@ -127,10 +127,10 @@ def main() -> None:
     ap.add_argument("--prefills", default="", help="COUNTxTOKENS prompts per step, comma separated")
     args = ap.parse_args()
 
-    from jaxserve.core.engine_config import EngineConfig
+    from jaxserve.config.engine import EngineConfig
     from jaxserve.core.sampling_params import SamplingParams
     from jaxserve.engine.llm_engine import LLMEngine
-    from jaxserve.model.kernels import cpu_kernels
+    from jaxserve.kernels.cpu import library as cpu_kernels
 
     if jax.default_backend() != "cpu" or not cpu_kernels.available():
         ap.error("this trace reads jaxserve's CPU kernels: it needs a CPU and the kernels built")

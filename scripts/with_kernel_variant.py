@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from jaxserve.model.kernels import cpu_kernels
+from jaxserve.kernels.cpu import library as cpu_kernels
 
 
 def main(argv: list[str]) -> int:
@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
         print(f"error: the {variant} build of jaxserve's CPU kernels is not available", file=sys.stderr)
         return 2
     print(f"jaxserve's CPU kernels: the {variant} build ({cpu_kernels.isa()})", file=sys.stderr)
-    from jaxserve.cli import main as jaxserve_main  # after the load: nothing may load the native build first
+    from jaxserve.cli.main import main as jaxserve_main  # after the load: nothing may load the native build first
 
     jaxserve_main(rest)  # exits with the command's status
     return 0

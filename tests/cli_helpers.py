@@ -8,7 +8,7 @@ import io
 
 import pytest
 
-from jaxserve.cli import main
+from jaxserve.cli.main import main
 
 
 def run_cli(*args: str) -> tuple[int, str]:

@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.model.attention import cpu_attention
+from jaxserve.kernels.cpu import attention as cpu_attention
+from jaxserve.kernels.cpu import library as cpu_kernels
+from jaxserve.kernels.cpu import matmul as cpu_matmul
 from jaxserve.model.attention.metadata import AttentionMetadata
-from jaxserve.model.kernels import cpu_kernels, cpu_matmul
 
 ROWS = (1, 3, 4, 9, 16, 24, 32)  # the engine's buckets up to MAX_ROWS, and counts between passes of rows
 PAGE = 16  # tokens a page, as the engine's

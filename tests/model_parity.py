@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxserve.model.attention.metadata import AttentionMetadata
 from jaxserve.model.llama import init_kv_cache
-from planner.model_spec import ModelSpec
+from modelspec.spec import ModelSpec
 
 PAGE_SIZE, NUM_PAGES, PAGES_PER_SEQ, T_PAD = 4, 64, 12, 64
 PROMPTS = [[5, 17, 42, 8, 91, 3, 3, 60, 22, 71, 14, 9, 33], [7, 7, 1, 30, 2, 88, 19], [64, 12, 50, 11]]

@@ -127,7 +127,7 @@ def run_tp_checkpoint(degrees: list[int]) -> dict:
     from jaxserve import LLM, SamplingParams
     from jaxserve.model.checkpoint import save_hf_checkpoint
     from jaxserve.model.llama import LlamaForCausalLM
-    from planner.model_spec import PRESETS
+    from modelspec.spec import PRESETS
 
     spec = dataclasses.replace(PRESETS["tiny"], name="tiny-qwen", architecture="qwen2", qkv_bias=True,
                                tie_word_embeddings=False, synthetic=False)

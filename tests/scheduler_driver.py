@@ -17,8 +17,9 @@ import numpy as np
 from jaxserve.core.batch import RaggedBatch, is_placeholder, placeholder_seq
 from jaxserve.core.request import Request
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.scheduler import Scheduler, SchedulerConfig
-from jaxserve.kv.cache_manager import KVCacheManager
+from jaxserve.core.stops import check_token_stop
+from jaxserve.scheduler.kv_cache_manager import KVCacheManager
+from jaxserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
 VOCAB = 50
 
@@ -90,7 +91,7 @@ class Driver:
         self.flight: tuple[np.ndarray, list] | None = None  # (samples, placeholders) of the step in flight
 
     def _finish_stopped(self, req: Request) -> None:
-        status = self.scheduler.check_stop(req)
+        status = check_token_stop(req, self.scheduler.config.max_model_len)
         if status is not None:
             self.scheduler.finish_request(req, status)
             self.finished[req.request_id] = req

@@ -10,7 +10,7 @@ import random
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
-from jaxserve.core.engine_config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from jaxserve.core.engine_config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.server.limits import ServerLimits
 from jaxserve.server.transport import uvicorn_config
 

@@ -7,8 +7,8 @@ import pytest
 
 import jaxserve.engine.llm_engine
 from jaxserve import LLM, SamplingParams
+from jaxserve.config.engine import EngineConfig
 from jaxserve.core.batch import is_placeholder
-from jaxserve.core.engine_config import EngineConfig
 from tests.conftest import TINY_ENGINE_ARGS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

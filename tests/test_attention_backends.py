@@ -13,11 +13,11 @@ import pytest
 from click.testing import CliRunner
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.cli.engine_flags import config_from_options, engine_options
+from jaxserve.config.engine import ATTENTION_BACKENDS, EngineConfig
 from jaxserve.core.batch import RaggedBatch
-from jaxserve.core.engine_config import ATTENTION_BACKENDS, EngineConfig
-from jaxserve.engine.args import config_from_options, engine_options
-from jaxserve.model.attention.cpu import CpuKernelAttention
-from jaxserve.model.attention.pallas import PallasAttention
+from jaxserve.kernels.cpu.attention_backend import CpuKernelAttention
+from jaxserve.kernels.gpu.ragged_paged_attention import PallasAttention
 from jaxserve.model.attention.reference import ACCELERATOR_TUNING, CPU_TUNING
 from jaxserve.model.attention.select import finest_chunk, select_backend
 from tests.conftest import TINY_ENGINE_ARGS

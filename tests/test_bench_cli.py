@@ -5,7 +5,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from jaxserve.cli import cli
+from jaxserve.cli.main import cli
 
 ENGINE = ["--model", "tiny", "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--chunk-size", "64",
           "--kv-cache-memory", "8MiB", "--max-model-len", "512"]

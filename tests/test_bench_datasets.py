@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from jaxserve.bench.datasets import DatasetConfig, generate
-from jaxserve.bench.load import LoadConfig, arrival_offsets
+from jaxserve.measure.bench.datasets import DatasetConfig, generate
+from jaxserve.measure.bench.load import LoadConfig, arrival_offsets
 
 VOCAB = 512
 

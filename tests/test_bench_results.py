@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from jaxserve.bench.load import _record_from_output
-from jaxserve.bench.results import RequestRecord, compute_metrics, format_summary, meets_slos, parse_goodput
 from jaxserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.measure.bench.load import _record_from_output
+from jaxserve.measure.bench.results import RequestRecord, compute_metrics, format_summary, meets_slos, parse_goodput
 
 VLLM_KEYS = ["duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
              "request_goodput", "output_throughput", "total_token_throughput", "input_lens", "output_lens", "ttfts",

@@ -6,10 +6,10 @@ import math
 import httpx
 import pytest
 
-from jaxserve.bench.datasets import DatasetConfig, generate
-from jaxserve.bench.http_client import run_http
-from jaxserve.bench.load import LoadConfig, run_engine
-from jaxserve.bench.results import compute_metrics
+from jaxserve.measure.bench.datasets import DatasetConfig, generate
+from jaxserve.measure.bench.http_client import run_http
+from jaxserve.measure.bench.load import LoadConfig, run_engine
+from jaxserve.measure.bench.results import compute_metrics
 
 VOCAB = 512
 

@@ -5,8 +5,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from jaxserve.calibrate.calibrate import CalibrationConfig, calibrate
-from jaxserve.calibrate.steps import decode_tokens, fit_decode_context, step_budget
+from jaxserve.measure.calibrate.calibrate import CalibrationConfig, calibrate
+from jaxserve.measure.calibrate.steps import decode_tokens, fit_decode_context, step_budget
 from planner.hardware import load_hardware
 
 
@@ -25,7 +25,7 @@ def test_profile_is_accepted_by_plan(calibration, tmp_path):
     data = json.loads(path.read_text())
     assert {"measurements", "device", "notes", "coefficients"} <= set(data)
     assert data["measurements"]["steps"] and data["measurements"]["gemm_rows"]
-    from jaxserve.cli import cli
+    from jaxserve.cli.main import cli
 
     res = CliRunner().invoke(cli, ["plan", "--model", "tiny", "--hardware", str(path), "--dtype", "fp32",
                                    "--input-len", "64", "--output-len", "16", "--json"])

@@ -10,7 +10,7 @@ from flax import nnx
 from jaxserve import LLM, SamplingParams
 from jaxserve.model.checkpoint import save_hf_checkpoint
 from jaxserve.model.llama import LlamaForCausalLM
-from planner.model_spec import PRESETS
+from modelspec.spec import PRESETS
 from tests.conftest import TINY_ENGINE_ARGS
 
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 from server_helpers import engine_server
 
-from jaxserve.core.engine_config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from tests.conftest import TINY_ENGINE_ARGS
 
 

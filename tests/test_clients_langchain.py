@@ -11,7 +11,7 @@ import pytest
 from pydantic import BaseModel, Field
 from server_helpers import engine_server
 
-from jaxserve.core.engine_config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from tests.conftest import TINY_ENGINE_ARGS
 
 langchain_openai = pytest.importorskip("langchain_openai")

@@ -18,8 +18,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxserve import LLM
-from jaxserve.cli import cli
-from jaxserve.eval.perplexity import perplexity
+from jaxserve.cli.main import cli
+from jaxserve.measure.eval.perplexity import perplexity
 from jaxserve.model.compressed_tensors import read_scheme
 from jaxserve.model.quantize import QuantizedWeight, param_bytes
 from jaxserve.model.weights import CheckpointError

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.model.kernels import cpu_kernels
+from jaxserve.kernels.cpu import library as cpu_kernels
 
 DRIVER = Path(__file__).with_name("cpu_kernel_isa_driver.py")
 ROOT = Path(__file__).resolve().parents[1]

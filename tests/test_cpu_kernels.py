@@ -19,10 +19,12 @@ import pytest
 from click.testing import CliRunner
 
 from jaxserve import LLM
-from jaxserve.engine.args import config_from_options, engine_options
-from jaxserve.model.attention import cpu_attention
-from jaxserve.model.kernels import cpu_kernels, cpu_matmul, kernel_choice
-from jaxserve.model.kernels.kernel_plan import KernelPlan
+from jaxserve.cli.engine_flags import config_from_options, engine_options
+from jaxserve.kernels.cpu import attention as cpu_attention
+from jaxserve.kernels.cpu import kernel_choice
+from jaxserve.kernels.cpu import library as cpu_kernels
+from jaxserve.kernels.cpu import matmul as cpu_matmul
+from jaxserve.kernels.cpu.kernel_plan import KernelPlan
 from jaxserve.runner.model_runner import _trash_prefill
 from tests.conftest import TINY_ENGINE_ARGS
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.config.engine import EngineConfig
 from jaxserve.core.batch import RaggedBatch
-from jaxserve.core.engine_config import EngineConfig
 from jaxserve.runner.decode_run import DecodeRun
 from tests.conftest import TINY_ENGINE_ARGS
 

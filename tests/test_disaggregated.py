@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.core.engine_config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.pool_stats import PoolStep, overlap_fractions
-from planner.memory import kv_bytes_per_token
-from planner.model_spec import load_model_spec
+from modelspec.memory import kv_bytes_per_token
+from modelspec.spec import load_model_spec
 from tests.test_tensor_parallel import run_driver
 
 PAIRS = ("1+1", "2+2", "1+4", "4+1")

@@ -10,12 +10,12 @@ from click.testing import CliRunner
 from transformers import LlamaForCausalLM
 
 from jaxserve import LLM
-from jaxserve.cli import cli, main
+from jaxserve.cli.main import cli, main
 from jaxserve.core.tokenizer import load_tokenizer
-from jaxserve.eval.agreement import agreement_counts
-from jaxserve.eval.perplexity import perplexity
-from jaxserve.eval.windows import read_eval_text, token_windows
-from planner.model_spec import resolve_model_path
+from jaxserve.measure.eval.agreement import agreement_counts
+from jaxserve.measure.eval.perplexity import perplexity
+from jaxserve.measure.eval.windows import read_eval_text, token_windows
+from modelspec.spec import resolve_model_path
 
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=128, chunk_size=128, page_size=16,
               kv_cache_memory=4 * 2**20, token_buckets=(16, 32, 64, 128))

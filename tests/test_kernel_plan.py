@@ -13,12 +13,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxserve.model.kernels import cpu_kernels, cpu_matmul, cpu_matmul_int8, kernel_choice
-from jaxserve.model.kernels.kernel_plan import KernelPlan
+from jaxserve.kernels.cpu import kernel_choice
+from jaxserve.kernels.cpu import library as cpu_kernels
+from jaxserve.kernels.cpu import matmul as cpu_matmul
+from jaxserve.kernels.cpu import matmul_int8 as cpu_matmul_int8
+from jaxserve.kernels.cpu.kernel_plan import KernelPlan
 from jaxserve.model.llama import LlamaForCausalLM, linear
 from jaxserve.model.quantize import QuantizedWeight
 from jaxserve.model.quantize_model import quantize_model
-from planner.model_spec import PRESETS
+from modelspec.spec import PRESETS
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="jaxserve's CPU kernels are not built here")
 

@@ -15,23 +15,23 @@ import pytest
 from click.testing import CliRunner
 
 from jaxserve import LLM
-from jaxserve.cli import cli
-from jaxserve.core.engine_config import EngineConfig
+from jaxserve.cli.main import cli
+from jaxserve.config.engine import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.tokenizer import load_tokenizer
-from jaxserve.eval.agreement import greedy_agreement
-from jaxserve.eval.perplexity import perplexity
-from jaxserve.eval.windows import read_eval_text
+from jaxserve.kernels.cpu.attention_backend import CpuKernelAttention
+from jaxserve.kernels.gpu.ragged_paged_attention import PallasAttention
+from jaxserve.measure.eval.agreement import greedy_agreement
+from jaxserve.measure.eval.perplexity import perplexity
+from jaxserve.measure.eval.windows import read_eval_text
 from jaxserve.model.attention import kv_quant
-from jaxserve.model.attention.cpu import CpuKernelAttention
 from jaxserve.model.attention.metadata import AttentionMetadata
 from jaxserve.model.attention.paged_attention import write_kv
-from jaxserve.model.attention.pallas import PallasAttention
 from jaxserve.model.attention.reference import ReferenceAttention
 from jaxserve.model.attention.select import select_backend
 from jaxserve.runner.model_builder import build_model_and_cache
-from planner.memory import kv_bytes_per_token, kv_pool_pages
-from planner.model_spec import load_model_spec
+from modelspec.memory import kv_bytes_per_token, kv_pool_pages
+from modelspec.spec import load_model_spec
 from tests.model_parity import randomize
 from tests.test_paged_attention import NUM_PAGES, PAGE_SIZE, T_PAD, D, build_batch, dense_reference
 from tests.test_pallas_attention import lower_for_cuda

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from jaxserve.core.request import Request
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.kv.cache_manager import KVCacheManager
+from jaxserve.scheduler.kv_cache_manager import KVCacheManager
 
 PS = 4
 

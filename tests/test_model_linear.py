@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.model.kernels import cpu_kernels, cpu_matmul
+from jaxserve.kernels.cpu import library as cpu_kernels
+from jaxserve.kernels.cpu import matmul as cpu_matmul
 from jaxserve.model.llama import CPU_EIGEN_MAX_ROWS, RMSNorm, linear
 from jaxserve.runner.model_runner import CPU_SEPARATE_DOTS_ABOVE, CPU_SEPARATE_DOTS_OPTIONS
 

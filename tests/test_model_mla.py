@@ -18,13 +18,13 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
-from jaxserve.core.engine_config import EngineConfig  # noqa: E402
+from jaxserve.config.engine import EngineConfig  # noqa: E402
 from jaxserve.model.llama import LlamaForCausalLM, init_kv_cache, kv_cache_bytes, planner_kv_bytes  # noqa: E402
 from jaxserve.model.weights import load_hf_checkpoint  # noqa: E402
 from jaxserve.runner.model_builder import build_model_and_cache  # noqa: E402
 from jaxserve.runner.parallel import check_tp  # noqa: E402
-from planner.memory import kv_bytes_per_token, kv_pool_pages  # noqa: E402
-from planner.model_spec import PRESETS, load_model_spec  # noqa: E402
+from modelspec.memory import kv_bytes_per_token, kv_pool_pages  # noqa: E402
+from modelspec.spec import PRESETS, load_model_spec  # noqa: E402
 from tests.model_parity import NEW_TOKENS, PROMPTS, greedy_paged, hf_greedy, hf_logits, randomize  # noqa: E402
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -21,8 +21,10 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.model.kernels import cpu_kernels, cpu_matmul, kernel_choice
-from jaxserve.model.kernels.kernel_plan import KernelPlan
+from jaxserve.kernels.cpu import kernel_choice
+from jaxserve.kernels.cpu import library as cpu_kernels
+from jaxserve.kernels.cpu import matmul as cpu_matmul
+from jaxserve.kernels.cpu.kernel_plan import KernelPlan
 from jaxserve.model.moe import grouped_experts, route, tile_rows
 from jaxserve.runner.model_runner import _trash_prefill
 from tests.conftest import TINY_ENGINE_ARGS
@@ -31,7 +33,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jaxserve.model.weights import load_hf_checkpoint  # noqa: E402
-from planner.model_spec import load_model_spec  # noqa: E402
+from modelspec.spec import load_model_spec  # noqa: E402
 from tests.model_parity import NEW_TOKENS, PROMPTS, greedy_paged, hf_greedy, hf_logits, randomize  # noqa: E402
 
 COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

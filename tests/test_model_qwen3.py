@@ -20,7 +20,7 @@ from flax import nnx  # noqa: E402
 from jaxserve.model.checkpoint import save_hf_checkpoint  # noqa: E402
 from jaxserve.model.llama import LlamaForCausalLM  # noqa: E402
 from jaxserve.model.weights import load_hf_checkpoint  # noqa: E402
-from planner.model_spec import load_model_spec  # noqa: E402
+from modelspec.spec import load_model_spec  # noqa: E402
 from tests.model_parity import NEW_TOKENS, PROMPTS, greedy_paged, hf_greedy, hf_logits, randomize  # noqa: E402
 
 

@@ -20,7 +20,7 @@ from flax import nnx  # noqa: E402
 from jaxserve.model.attention.metadata import AttentionMetadata  # noqa: E402
 from jaxserve.model.llama import init_kv_cache  # noqa: E402
 from jaxserve.model.weights import load_hf_checkpoint  # noqa: E402
-from planner.model_spec import load_model_spec  # noqa: E402
+from modelspec.spec import load_model_spec  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 import pytest
 
-from jaxserve.output_paths import check_writable
+from jaxserve.cli.output_paths import check_writable
 
 
 def test_missing_folders_are_made_and_impossible_paths_refused(tmp_path):

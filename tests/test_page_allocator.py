@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.kv.page_allocator import TRASH_PAGE, PageAllocator
+from jaxserve.scheduler.page_allocator import TRASH_PAGE, PageAllocator
 
 
 def test_hands_out_every_usable_page_once_and_never_the_trash_page() -> None:

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxserve.model.attention.cpu import CpuKernelAttention
+from jaxserve.kernels.cpu import library as cpu_kernels
+from jaxserve.kernels.cpu.attention_backend import CpuKernelAttention
 from jaxserve.model.attention.metadata import AttentionMetadata
 from jaxserve.model.attention.paged_attention import (
     DEFAULT_Q_BLOCKS,
@@ -21,7 +22,6 @@ from jaxserve.model.attention.paged_attention import (
     write_kv,
 )
 from jaxserve.model.attention.reference import ReferenceAttention
-from jaxserve.model.kernels import cpu_kernels
 
 jax.config.update("jax_enable_x64", False)
 

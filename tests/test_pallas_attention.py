@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.kernels.gpu.ragged_paged_attention import PallasAttention, _plan, max_work_items, q_block_tokens, supports
 from jaxserve.model.attention.metadata import AttentionMetadata
-from jaxserve.model.attention.pallas import PallasAttention, _plan, max_work_items, q_block_tokens, supports
 from jaxserve.model.attention.reference import ACCELERATOR_TUNING
 
 # Small fixed buckets, so each (group, page size, dtype) compiles once; the interpreter is slow.

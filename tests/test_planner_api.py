@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import planner
+from modelspec.spec import PRESETS
 from planner.disaggregate import plan_disaggregated
 from planner.hardware import CATALOG, HardwareError, hardware_from_profile, load_hardware, save_profile
-from planner.model_spec import PRESETS
 from planner.search import ConfigError, search, tp_options
 from planner.serving import Workload
 
@@ -131,7 +131,8 @@ def test_planner_imports_without_jax():
     import subprocess
     import sys
 
-    code = "import sys, planner, planner.cli; assert not any(m == 'jax' or m.startswith('jax.') for m in sys.modules)"
+    code = ("import sys, planner, jaxserve.cli.plan; "
+            "assert not any(m == 'jax' or m.startswith('jax.') for m in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 

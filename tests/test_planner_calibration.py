@@ -5,9 +5,9 @@ import dataclasses
 import numpy as np
 import pytest
 
+from modelspec.spec import PRESETS
 from planner.calibration import GEMV_SPEEDUP_RANGE, Sample, fit_coefficients
 from planner.hardware import CATALOG, Coefficients, load_hardware, save_profile
-from planner.model_spec import PRESETS
 from planner.step_model import decode_shape, prefill_shape, step_time_shape
 
 SMALL = PRESETS["small"]

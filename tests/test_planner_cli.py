@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from jaxserve.cli import main
+from jaxserve.cli.main import main
 from planner.hardware import CATALOG
 
 

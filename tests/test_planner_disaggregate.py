@@ -8,9 +8,9 @@ a 4-sequence decode step: 10 + 4 = 14 ms, so 4 requests of 11 tokens (10 decode 
 
 import pytest
 
+from modelspec.spec import load_model_spec
 from planner.disaggregate import PoolBalance, plan_disaggregated, pool_balance
 from planner.hardware import CATALOG, Coefficients, Hardware
-from planner.model_spec import load_model_spec
 from planner.serving import Workload
 from planner.step_model import decode_shape, prefill_shape, step_time_shape
 

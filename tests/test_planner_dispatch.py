@@ -5,9 +5,9 @@ import json
 
 import pytest
 
+from modelspec.spec import PRESETS
 from planner.api import choose_num_scheduler_steps, predict_serving
 from planner.hardware import CATALOG
-from planner.model_spec import PRESETS
 from planner.serving import ServingConfig, Workload
 from planner.step_model import decode_shape, prefill_shape, step_time_shape
 
@@ -43,7 +43,7 @@ def test_the_choice_is_the_fewest_steps_that_hide_the_host():
 
 
 def test_plan_takes_the_flag(capsys):
-    from jaxserve.cli import main
+    from jaxserve.cli.main import main
 
     with pytest.raises(SystemExit) as e:
         main(["plan", "--model", "llama-3.1-8b", "--num-devices", "1", "--input-len", "256", "--output-len", "32",

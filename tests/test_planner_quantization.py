@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from jaxserve.cli import main
+from jaxserve.cli.main import main
 
 
 def plan(capsys, *args):

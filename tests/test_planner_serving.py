@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from modelspec.spec import PRESETS
 from planner.hardware import CATALOG
-from planner.model_spec import PRESETS
 from planner.serving import ServingConfig, Workload, predict_serving
 from planner.simulate import simulate
 

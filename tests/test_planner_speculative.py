@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
+from modelspec.spec import load_model_spec
 from planner import PlanRequest, plan
 from planner.hardware import load_hardware
-from planner.model_spec import load_model_spec
 from planner.speculative import (
     acceptance_from_tokens_per_step,
     choose_k,

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from modelspec.memory import kv_bytes_per_token, plan_memory
+from modelspec.moe_tiles import expected_tiles, tile_rows
+from modelspec.spec import PRESETS
 from planner.hardware import CATALOG
-from planner.memory import kv_bytes_per_token, plan_memory
-from planner.model_spec import PRESETS
-from planner.moe_tiles import expected_tiles, tile_rows
 from planner.search import tp_options
 from planner.step_model import (
     batch_shape,

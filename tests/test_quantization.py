@@ -12,19 +12,19 @@ from click.testing import CliRunner
 from flax import nnx
 
 from jaxserve import LLM
-from jaxserve.cli import cli
-from jaxserve.core.engine_config import EngineConfig
+from jaxserve.cli.main import cli
+from jaxserve.config.engine import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.tokenizer import load_tokenizer
-from jaxserve.eval.agreement import greedy_agreement
-from jaxserve.eval.perplexity import perplexity
-from jaxserve.eval.windows import read_eval_text
-from jaxserve.model.kernels import cpu_matmul_int8
+from jaxserve.kernels.cpu import matmul_int8 as cpu_matmul_int8
+from jaxserve.measure.eval.agreement import greedy_agreement
+from jaxserve.measure.eval.perplexity import perplexity
+from jaxserve.measure.eval.windows import read_eval_text
 from jaxserve.model.layers import linear
 from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.quantize import QuantizedWeight, param_bytes, quantize_int8
 from jaxserve.model.quantize_model import quantize_model
-from planner.model_spec import load_model_spec
+from modelspec.spec import load_model_spec
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)  # test_compressed_tensors uses it
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=128, chunk_size=128, page_size=16,

@@ -11,17 +11,17 @@ import pytest
 from flax import nnx
 
 from jaxserve import LLM
-from jaxserve.core.engine_config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.core.tokenizer import load_tokenizer
-from jaxserve.eval.agreement import greedy_agreement
-from jaxserve.eval.perplexity import perplexity
-from jaxserve.eval.windows import read_eval_text
-from jaxserve.model.kernels import cpu_matmul_int8
+from jaxserve.kernels.cpu import matmul_int8 as cpu_matmul_int8
+from jaxserve.measure.eval.agreement import greedy_agreement
+from jaxserve.measure.eval.perplexity import perplexity
+from jaxserve.measure.eval.windows import read_eval_text
 from jaxserve.model.layers import linear
 from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.quantize import QuantizedWeight, model_quantization, param_bytes, quantize_fp8, quantize_int8
 from jaxserve.model.quantize_model import quantize_model
-from planner.model_spec import load_model_spec
+from modelspec.spec import load_model_spec
 from tests.test_quantization import ENGINE, hf_folder  # noqa: F401 (a fixture)
 
 E4M3_MAX = 448.0

@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from jaxserve.kv.radix_cache import RadixCache
+from jaxserve.scheduler.radix_cache import RadixCache
 
 PS = 4  # page size in these examples
 

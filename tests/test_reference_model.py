@@ -1,5 +1,5 @@
-"""The trained models that ship with jaxserve (`bard` and its draft `bard-draft`, jaxserve/models/): the files are
-the ones scripts/train_reference_model.py wrote (MANIFEST.json), HF transformers loads them unchanged, and
+"""The trained models that ship with jaxserve (`bard` and its draft `bard-draft`, jaxserve/trained_models/): the
+files are the ones scripts/train_reference_model.py wrote (MANIFEST.json), HF transformers loads them unchanged, and
 jaxserve draws the same greedy tokens HF does. `bard` is the default model of serve, generate and eval."""
 
 import hashlib
@@ -15,7 +15,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.core.tokenizer import load_tokenizer
-from planner.model_spec import SHIPPED_MODELS, load_model_spec, resolve_model_path
+from modelspec.spec import SHIPPED_MODELS, load_model_spec, resolve_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
@@ -31,7 +31,7 @@ def manifest(name: str) -> dict:
 @pytest.mark.parametrize("name", SHIPPED_MODELS)
 def test_shipped_files_are_the_ones_the_script_wrote(name):
     folder = Path(resolve_model_path(name))
-    assert folder == ROOT / "jaxserve" / "models" / name
+    assert folder == ROOT / "jaxserve" / "trained_models" / name
     assert {p.name for p in folder.iterdir()} == FILES
     m = manifest(name)
     assert set(m["files"]) == FILES - {"MANIFEST.json"}
@@ -85,7 +85,7 @@ def test_greedy_tokens_match_hf_transformers(name):
 
 
 def test_the_planner_prices_bard_from_its_config_without_jax():
-    code = ("import sys; from planner.model_spec import load_model_spec; s = load_model_spec('bard'); "
+    code = ("import sys; from modelspec.spec import load_model_spec; s = load_model_spec('bard'); "
             "assert 'jax' not in sys.modules; print(s.num_layers, s.hidden_size, s.vocab_size)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     config = json.loads((Path(resolve_model_path("bard")) / "config.json").read_text())
@@ -94,10 +94,10 @@ def test_the_planner_prices_bard_from_its_config_without_jax():
 
 
 def test_bard_is_the_default_of_the_commands_a_person_runs_first():
-    from jaxserve.bench.cli import bench
-    from jaxserve.engine.cli import generate
-    from jaxserve.eval.cli import perplexity_command
-    from jaxserve.server.cli import serve
+    from jaxserve.cli.bench import bench
+    from jaxserve.cli.eval import perplexity_command
+    from jaxserve.cli.generate import generate
+    from jaxserve.cli.serve import serve
 
     assert serve.make_context("serve", []).params["model"] == "bard"
     assert generate.make_context("generate", ["--prompt", "x"]).params["model"] == "bard"

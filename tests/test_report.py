@@ -9,12 +9,12 @@ from dataclasses import replace
 
 import pytest
 
-from jaxserve.bench.load import RunResult, StepRecord
-from jaxserve.bench.results import RequestRecord
-from jaxserve.report.chunked import decode_gaps
-from jaxserve.report.context import ReportConfig
-from jaxserve.report.probe import drift_note
-from jaxserve.report.summary import check_context, summarize
+from jaxserve.measure.bench.load import RunResult, StepRecord
+from jaxserve.measure.bench.results import RequestRecord
+from jaxserve.measure.report.chunked import decode_gaps
+from jaxserve.measure.report.context import ReportConfig
+from jaxserve.measure.report.probe import drift_note
+from jaxserve.measure.report.summary import check_context, summarize
 
 ROW_KEYS = {"kind", "config", "predicted_ttft_ms", "measured_ttft_ms", "predicted_tpot_ms", "measured_tpot_ms",
             "predicted_throughput", "measured_throughput", "ttft_error_pct", "tpot_error_pct", "throughput_error_pct"}
@@ -85,9 +85,9 @@ def test_an_unsteady_machine_is_named_in_the_report():
 def test_disagg_rows_measure_each_pool_against_the_planner(report_dir):
     if not DISAGG:
         pytest.skip("one core: --disagg 1+1 is refused")
+    from modelspec.spec import load_model_spec
     from planner.disaggregate import pool_balance
     from planner.hardware import load_hardware
-    from planner.model_spec import load_model_spec
 
     rep = json.loads((report_dir / "report.json").read_text())
     rows = {r["config"]["quantity"]: r for r in rep["rows"] if r["kind"] == "disagg"}
@@ -116,7 +116,7 @@ def test_disagg_rows_measure_each_pool_against_the_planner(report_dir):
 
 @pytest.mark.parametrize("value", ["3", "0+1", "1+x", "1+1+1"])
 def test_disagg_flag_rejects_bad_input_in_one_line(value, capsys):
-    from jaxserve.cli import main
+    from jaxserve.cli.main import main
 
     with pytest.raises(SystemExit) as e:
         main(["report", "--quick", "--disagg", value])
@@ -128,7 +128,7 @@ def test_disagg_flag_rejects_bad_input_in_one_line(value, capsys):
 def test_disagg_flag_needs_the_devices(tmp_path, capsys):
     import jax
 
-    from jaxserve.cli import main
+    from jaxserve.cli.main import main
 
     n = len(jax.devices())  # JAX has started here: the flag cannot add devices to this process any more
     with pytest.raises(SystemExit) as e:

@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from jaxserve.report.run import check_profile_dtypes
+from jaxserve.measure.report.run import check_profile_dtypes
+from modelspec.spec import load_model_spec
 from planner.hardware import load_hardware
-from planner.model_spec import load_model_spec
 from planner.step_model import decode_shape, step_time_shape
 
 
@@ -73,7 +73,7 @@ def test_quantization_flags_reject_bad_input_in_one_line(args, message, tmp_path
 
 def test_plan_with_quantization_keeps_an_auto_kv_cache_in_dtype_as_the_runtime_does(capsys):
     """`jaxserve plan --quantization int8` prices what `--quantization int8` runs: int8 weights, KV in --dtype."""
-    from jaxserve.cli import main
+    from jaxserve.cli.main import main
 
     def config(*args):
         with pytest.raises(SystemExit) as exc:

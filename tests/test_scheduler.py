@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from jaxserve.core.request import RequestStatus
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.scheduler import Scheduler, SchedulerConfig, check_token_stop
-from jaxserve.kv.cache_manager import KVCacheManager
+from jaxserve.core.stops import check_token_stop
+from jaxserve.scheduler.kv_cache_manager import KVCacheManager
+from jaxserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.scheduler_driver import VOCAB, Driver, make_request, make_scheduler, outputs_of
 
 # ---- examples ---------------------------------------------------------------------------------------

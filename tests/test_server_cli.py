@@ -25,7 +25,7 @@ SMALL_ENGINE = ["--model", "tiny", "--max-num-seqs", "64", "--max-num-batched-to
 
 def _launch(*args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    return subprocess.Popen([sys.executable, "-c", "from jaxserve.cli import main; main()", "serve", *args],
+    return subprocess.Popen([sys.executable, "-c", "from jaxserve.cli.main import main; main()", "serve", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
 

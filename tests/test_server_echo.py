@@ -11,7 +11,7 @@ import pytest
 from server_helpers import engine_server
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.core.engine_config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from tests.conftest import TINY_ENGINE_ARGS
 
 PROMPT = "The quick brown fox"

@@ -85,7 +85,7 @@ def test_dead_engine_is_503(url: str, fake: FakeEngine) -> None:
 
 
 def test_real_engine_loop_death_is_503_not_a_hang() -> None:
-    from jaxserve.core.engine_config import EngineConfig
+    from jaxserve.config.engine import EngineConfig
     from jaxserve.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine(EngineConfig(model="tiny", warmup=False, max_num_seqs=4, max_num_batched_tokens=64,

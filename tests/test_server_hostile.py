@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from server_fake_engine import FakeEngine
 from server_helpers import LiveServer, ServerLog
 
+from jaxserve.cli.serve import serve
 from jaxserve.server import yielding_json
 from jaxserve.server.app import build_app
-from jaxserve.server.cli import serve
 from jaxserve.server.limits import ServerLimits
 
 KEYS = ("k-first", "k-second")

@@ -18,7 +18,7 @@ import pytest
 from server_fake_engine import FakeEngine
 from server_helpers import LiveServer, ServerLog, free_port, wait_until
 
-from jaxserve.core.engine_config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.server.app import build_app
 from jaxserve.server.limits import ServerLimits
 

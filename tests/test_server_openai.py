@@ -15,7 +15,7 @@ import openai
 import pytest
 from server_helpers import engine_server, sample, scrape, wait_until
 
-from jaxserve.core.engine_config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 
 SERVER_ENGINE_ARGS = dict(max_num_seqs=64, max_num_batched_tokens=256, chunk_size=64, page_size=16,
                           kv_cache_memory=16 * 2**20, max_model_len=2048)

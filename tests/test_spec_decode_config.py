@@ -5,8 +5,8 @@ from cli_helpers import run_cli
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxserve.core.engine_config import EngineConfig
-from jaxserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
+from jaxserve.config.engine import EngineConfig
+from jaxserve.config.speculative import SpeculativeConfig, parse_speculative_config
 from jaxserve.spec_decode.ngram import ngram_propose
 
 

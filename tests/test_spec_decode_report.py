@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from jaxserve.core.engine_config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.report.context import Context, ReportConfig
-from jaxserve.report.speculative import markdown, run_speculative
+from jaxserve.measure.report.context import Context, ReportConfig
+from jaxserve.measure.report.speculative import markdown, run_speculative
 from planner.hardware import load_hardware
 from planner.speculative import verify_step_s
 

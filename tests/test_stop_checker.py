@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from jaxserve.core.detokenizer import Detokenizer
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.stop_checker import StopChecker
+from jaxserve.core.stops import StopChecker
 from jaxserve.core.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 BYTES = ByteTokenizer()  # ids 0-255 are bytes, 256 BOS, 257 EOS

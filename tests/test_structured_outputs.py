@@ -18,7 +18,7 @@ import pytest
 from server_helpers import engine_server
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.core.engine_config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.core.sampling_params import StructuredOutputsParams
 from jaxserve.structured import grammar
 from jaxserve.structured.limits import DEFAULT_LIMITS, GrammarLimits
@@ -185,7 +185,7 @@ def test_bad_constraints_are_400s_naming_their_field(server, extra: dict, param:
 def test_the_trained_model_keeps_to_every_constraint() -> None:
     import jaxserve
 
-    if not (Path(jaxserve.__file__).parent / "models" / "bard" / "model.safetensors").is_file():
+    if not (Path(jaxserve.__file__).parent / "trained_models" / "bard" / "model.safetensors").is_file():
         pytest.skip("the trained model bard is not in this checkout")
     bard = LLM(model="bard", max_num_seqs=4, max_num_batched_tokens=128, chunk_size=64, page_size=16,
                kv_cache_memory=16 * 2**20, max_model_len=512)

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from jaxserve.runner.parallel import check_tp, effective_spec
-from planner.memory import kv_heads_per_device, kv_pool_pages
-from planner.model_spec import load_model_spec
+from modelspec.memory import kv_heads_per_device, kv_pool_pages
+from modelspec.spec import load_model_spec
 
 DRIVER = Path(__file__).with_name("multidevice_driver.py")
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxserve.core.engine_config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.runner.model_runner import bucket_for, default_token_ladder, half_octave_ladder, power_of_two_ladder
 
 

@@ -15,7 +15,7 @@ from jaxserve.core.tokenizer import (
     TokenizerError,
     load_tokenizer,
 )
-from planner.model_spec import PRESETS
+from modelspec.spec import PRESETS
 
 TEXT = "héllo wörld, naïve café ✓ 日本語 🤖!"
 

@@ -17,7 +17,7 @@ import pytest
 from server_fake_engine import FakeEngine
 from server_helpers import LiveServer, engine_server
 
-from jaxserve.core.engine_config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.structured.tools import check_tools, parse_tool_calls, streamable_prefix, template_messages
 from tests.conftest import TINY_ENGINE_ARGS
 
@@ -172,7 +172,7 @@ def test_required_calls_end_whatever_the_budget_and_one_when_not_parallel(client
 def bard_client():
     import jaxserve
 
-    if not (Path(jaxserve.__file__).parent / "models" / "bard" / "model.safetensors").is_file():
+    if not (Path(jaxserve.__file__).parent / "trained_models" / "bard" / "model.safetensors").is_file():
         pytest.skip("the trained model bard is not in this checkout")
     config = EngineConfig(model="bard", max_num_seqs=8, max_num_batched_tokens=128, chunk_size=64, page_size=16,
                           kv_cache_memory=32 * 2**20, max_model_len=512)

@@ -23,8 +23,8 @@ from jaxserve.model.checkpoint import (
 from jaxserve.model.dtypes import resolve_dtype
 from jaxserve.model.llama import LlamaForCausalLM, init_kv_cache, kv_cache_bytes
 from jaxserve.model.weights import CheckpointError, partition_spec
-from planner.memory import kv_bytes_per_token
-from planner.model_spec import PRESETS, ModelSpecError, load_model_spec
+from modelspec.memory import kv_bytes_per_token
+from modelspec.spec import PRESETS, ModelSpecError, load_model_spec
 
 jax.config.update("jax_enable_x64", False)
 

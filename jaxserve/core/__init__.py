@@ -1,3 +1,3 @@
-"""The request's life on the host: requests, sampling params, outputs, the ragged batch, the scheduler, stop checks,
-the tokenizer and the engine config.
+"""The request's life on the host: requests, sampling params, outputs, the ragged batch, stop rules, the tokenizer and
+detokenizer, prompt validation.
 """

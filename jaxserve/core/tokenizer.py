@@ -20,7 +20,7 @@ import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from planner.model_spec import PRESETS, ModelSpec, resolve_model_path
+from modelspec.spec import PRESETS, ModelSpec, resolve_model_path
 
 Message = dict[str, Any]
 

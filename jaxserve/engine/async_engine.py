@@ -14,7 +14,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from jaxserve.core.engine_config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.core.outputs import RequestOutput, StepStats
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.factory import create_engine

@@ -31,15 +31,15 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxserve.config.engine import EngineConfig
 from jaxserve.core.batch import RaggedBatch
-from jaxserve.core.engine_config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.core.scheduler import Scheduler
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.pool_stats import POOL_COUNTERS, PoolStep, ReadyStamp, pool_rates
 from jaxserve.runner.model_runner import power_of_two_ladder
 from jaxserve.runner.sampler import SamplingArrays
+from jaxserve.scheduler.scheduler import Scheduler
 
 
 @dataclass

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import jax
 
-from jaxserve.core.engine_config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.disaggregated import DisaggregatedEngine
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.runner import distributed

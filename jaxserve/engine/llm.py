@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 
-from jaxserve.core.engine_config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.factory import create_engine

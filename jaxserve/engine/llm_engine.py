@@ -21,25 +21,25 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxserve.config.engine import EngineConfig
 from jaxserve.core.batch import RaggedBatch, is_placeholder
-from jaxserve.core.engine_config import EngineConfig
 from jaxserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.scheduler import Scheduler, SchedulerConfig
-from jaxserve.core.stop_checker import StopChecker
+from jaxserve.core.stops import StopChecker
 from jaxserve.core.tokenizer import load_tokenizer
 from jaxserve.core.validation import encode_prompt, resolve_max_tokens
-from jaxserve.kv.cache_manager import KVCacheManager
 from jaxserve.runner.decode_run import DecodeRun, DecodeRunner, can_run_on_device
 from jaxserve.runner.logits_processing import prepare_request
 from jaxserve.runner.model_builder import build_model_and_cache
 from jaxserve.runner.model_runner import ModelRunner, StepResult, default_token_ladder, power_of_two_ladder
 from jaxserve.runner.prompt_logprobs import PromptLogprobs, PromptRows, plan_rows, record
 from jaxserve.runner.sampler import SamplingArrays
+from jaxserve.scheduler.kv_cache_manager import KVCacheManager
+from jaxserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from jaxserve.spec_decode.step import SpeculativeDecoder, spec_k, spec_metrics
 from jaxserve.structured.grammar import GRAMMAR_FAILED
-from planner.model_spec import load_model_spec
+from modelspec.spec import load_model_spec
 
 log = logging.getLogger("jaxserve")
 

@@ -23,7 +23,7 @@ from jaxserve.model.compressed_tensors import folder_scheme, load_compressed_ten
 from jaxserve.model.dtypes import resolve_dtype
 from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.weights import CheckpointError, abstract_model, load_hf_checkpoint
-from planner.model_spec import ModelSpec, load_model_spec
+from modelspec.spec import ModelSpec, load_model_spec
 
 MARKER = "jaxserve_params.json"
 FORMAT = "jaxserve-orbax-v1"  # PyTree of NNX params, OCDBT, uncompressed

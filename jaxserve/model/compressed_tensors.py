@@ -39,7 +39,7 @@ from jaxserve.model.weights import (
     abstract_model,
     rules_for,
 )
-from planner.model_spec import ModelSpec
+from modelspec.spec import ModelSpec
 
 QUANT_METHOD = "compressed-tensors"
 # compressed-tensors' formats that store each weight as plain 8-bit codes, and the weight type each allows.

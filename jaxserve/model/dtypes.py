@@ -1,4 +1,4 @@
-"""Array dtypes of the runtime, resolved through the planner's one dtype table (`planner.dtypes`)."""
+"""Array dtypes of the runtime, resolved through the planner's one dtype table (`modelspec.dtypes`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from planner.dtypes import lookup, short_name
+from modelspec.dtypes import lookup, short_name
 
 # What `--dtype` accepts for weights and activations; "auto" is float32 on a CPU, bfloat16 elsewhere.
 ARRAY_DTYPES = ("float32", "bfloat16", "float16")

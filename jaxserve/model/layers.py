@@ -8,10 +8,11 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from jaxserve.model.kernels import cpu_matmul, cpu_matmul_int8
-from jaxserve.model.kernels.kernel_plan import KernelPlan
+from jaxserve.kernels.cpu import matmul as cpu_matmul
+from jaxserve.kernels.cpu import matmul_int8 as cpu_matmul_int8
+from jaxserve.kernels.cpu.kernel_plan import KernelPlan
 from jaxserve.model.quantize import QuantizedWeight, quantized_matmul
-from planner.model_spec import ModelSpec
+from modelspec.spec import ModelSpec
 
 # Token counts up to which a CPU step's projections go to Eigen rather than YNNPACK (`linear`); see docs/tuning.md.
 CPU_EIGEN_MAX_ROWS = 16

@@ -20,21 +20,22 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve.kernels.cpu import matmul as cpu_matmul
+from jaxserve.kernels.cpu import matmul_int8 as cpu_matmul_int8
+from jaxserve.kernels.cpu.kernel_plan import KernelPlan
 from jaxserve.model.attention.backend import AttentionBackend
 from jaxserve.model.attention.kv_quant import kv_kind
 from jaxserve.model.attention.metadata import AttentionMetadata
 from jaxserve.model.attention.paged_attention import write_kv
 from jaxserve.model.attention.select import auto_backend
 from jaxserve.model.dtypes import planner_dtype, resolve_dtype
-from jaxserve.model.kernels import cpu_matmul, cpu_matmul_int8
-from jaxserve.model.kernels.kernel_plan import KernelPlan
 from jaxserve.model.layers import CPU_EIGEN_MAX_ROWS, MLP, RMSNorm, linear, normals
 from jaxserve.model.mla import LatentAttention
 from jaxserve.model.moe import MoE
 from jaxserve.model.quantize import QuantizedWeight
 from jaxserve.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
-from planner.memory import kv_bytes_per_token
-from planner.model_spec import ModelSpec
+from modelspec.memory import kv_bytes_per_token
+from modelspec.spec import ModelSpec
 
 # Per layer (k, v), each [num_pages, page_size, kv_heads, head_dim]; MLA: (latent,) (module doc).
 KVCaches = list[tuple[jax.Array, ...]]

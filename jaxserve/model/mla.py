@@ -23,13 +23,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jaxserve.kernels.cpu.kernel_plan import KernelPlan
 from jaxserve.model.attention import kv_quant
 from jaxserve.model.attention.backend import AttentionBackend
 from jaxserve.model.attention.latent import LatentAttentionBackend
 from jaxserve.model.attention.metadata import AttentionMetadata
-from jaxserve.model.kernels.kernel_plan import KernelPlan
 from jaxserve.model.layers import RMSNorm, linear, normals
-from planner.model_spec import ModelSpec
+from modelspec.spec import ModelSpec
 
 # HF's DeepSeek-V2 builds q_a_layernorm and kv_a_layernorm without passing rms_norm_eps: its default holds.
 LATENT_NORM_EPS = 1e-6

@@ -24,11 +24,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jaxserve.model.kernels import cpu_matmul
-from jaxserve.model.kernels.kernel_plan import KernelPlan
+from jaxserve.kernels.cpu import matmul as cpu_matmul
+from jaxserve.kernels.cpu.kernel_plan import KernelPlan
 from jaxserve.model.layers import linear, normals
-from planner.model_spec import ModelSpec
-from planner.moe_tiles import DECODE_TILE_MAX, tile_rows  # one layout, priced by the planner
+from modelspec.moe_tiles import DECODE_TILE_MAX, tile_rows  # one layout, priced by the planner
+from modelspec.spec import ModelSpec
 
 
 def route(logits: jax.Array, k: int, *, norm_topk_prob: bool, scaling: float = 1.0, topk_method: str = "greedy",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from jaxserve.core.engine_config import QUANTIZATIONS
+from jaxserve.config.engine import QUANTIZATIONS
 from jaxserve.model.layers import MLP
 from jaxserve.model.llama import Attention
 from jaxserve.model.quantize import QUANTIZERS

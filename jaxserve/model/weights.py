@@ -29,7 +29,7 @@ from safetensors import safe_open
 
 from jaxserve.model.dtypes import resolve_dtype
 from jaxserve.model.llama import LlamaForCausalLM
-from planner.model_spec import ModelSpec, load_model_spec
+from modelspec.spec import ModelSpec, load_model_spec
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v2")
 

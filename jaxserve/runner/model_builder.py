@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.core.engine_config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.model.attention.kv_quant import QuantizedPool, empty_pool
 from jaxserve.model.checkpoint import load_checkpoint
 from jaxserve.model.compressed_tensors import folder_scheme
@@ -35,8 +35,8 @@ from jaxserve.runner.parallel import (
     select_devices,
     shard_model,
 )
-from planner.memory import GIB, activation_bytes, kv_bytes_per_token, kv_pool_pages, weight_bytes_per_device
-from planner.model_spec import ModelSpec, resolve_model_path
+from modelspec.memory import GIB, activation_bytes, kv_bytes_per_token, kv_pool_pages, weight_bytes_per_device
+from modelspec.spec import ModelSpec, resolve_model_path
 
 CPU_DEFAULT_KV_BYTES = 1 * GIB
 _DTYPE_NAMES = {jnp.dtype(jnp.float32): "fp32", jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "fp16"}

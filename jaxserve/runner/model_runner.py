@@ -26,10 +26,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.core.batch import RaggedBatch, is_placeholder, placeholder_seq
+from jaxserve.kernels.cpu import kernel_choice
+from jaxserve.kernels.cpu.kernel_plan import KernelPlan
 from jaxserve.model.attention.metadata import AttentionMetadata
 from jaxserve.model.attention.select import kv_kind, select_backend
-from jaxserve.model.kernels import kernel_choice
-from jaxserve.model.kernels.kernel_plan import KernelPlan
 from jaxserve.runner.parallel import AXIS, fit_spec, params_shardings, put_global, replicated
 from jaxserve.runner.prompt_logprobs import PromptHead, PromptRows
 from jaxserve.runner.sampler import Sampler, SamplingArrays, sample_tokens

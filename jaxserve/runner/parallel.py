@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.model.weights import partition_spec
-from planner.model_spec import ModelSpec
+from modelspec.spec import ModelSpec
 
 AXIS = "tp"
 KV_SPEC = P(None, None, AXIS, None)

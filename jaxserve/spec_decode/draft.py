@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.config.engine import EngineConfig
 from jaxserve.core.batch import RaggedBatch
-from jaxserve.core.engine_config import EngineConfig
 from jaxserve.model.attention.metadata import AttentionMetadata
 from jaxserve.runner.model_builder import init_sharded_kv_cache, load_model
 from jaxserve.runner.model_runner import ModelRunner, bucket_for
@@ -36,7 +36,7 @@ from jaxserve.runner.parallel import effective_spec, params_shardings, replicate
 from jaxserve.runner.sampler import SamplingArrays
 from jaxserve.spec_decode.rejection import sample_draft
 from jaxserve.spec_decode.verify import empty_batch
-from planner.model_spec import ModelSpec, load_model_spec
+from modelspec.spec import ModelSpec, load_model_spec
 
 
 def _propose_impl(runner: ModelRunner, k: int, t: int, param_leaves, kv_caches, hidden_rows, starts, slots,

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jaxserve.config.speculative import SpeculativeConfig
 from jaxserve.core.batch import RaggedBatch
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.request import RequestStatus
 from jaxserve.runner.model_runner import StepResult
-from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.draft import DraftProposer
 from jaxserve.spec_decode.ngram import NgramProposer, draft_room
 from jaxserve.spec_decode.verify import Verifier, VerifyResult

@@ -7,7 +7,7 @@ scales too. A row x (one token's KV head) is stored as codes round(x / s) with s
 int8, 448 for e4m3), written by the step's scatter (`write`, quantize on write) and read back as codes * s
 inside attention: the jnp reference multiplies at its gather (`rows`), the C++ and Pallas kernels convert codes
 in registers and fold s into the scores (K) and the probabilities (V). Per-token scales need no calibration and
-bound each row's error by its own range; the price is 4 bytes a row (`planner.memory.kv_scale_bytes`), 6% of a
+bound each row's error by its own range; the price is 4 bytes a row (`modelspec.memory.kv_scale_bytes`), 6% of a
 64-wide int8 row.
 
 The pool is a pytree (codes and scales are its leaves), so jit, donation and shardings treat it as two arrays;

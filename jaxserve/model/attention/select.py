@@ -15,12 +15,13 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from jaxserve.core.engine_config import ATTENTION_BACKENDS
-from jaxserve.model.attention import cpu_attention, pallas
+from jaxserve.config.engine import ATTENTION_BACKENDS
+from jaxserve.kernels.cpu import attention as cpu_attention
+from jaxserve.kernels.cpu.attention_backend import CpuKernelAttention
+from jaxserve.kernels.gpu import ragged_paged_attention as pallas
+from jaxserve.kernels.gpu.ragged_paged_attention import PallasAttention
 from jaxserve.model.attention.backend import AttentionBackend
-from jaxserve.model.attention.cpu import CpuKernelAttention
 from jaxserve.model.attention.kv_quant import kv_kind as kv_kind  # the runner asks its pool here
-from jaxserve.model.attention.pallas import PallasAttention
 from jaxserve.model.attention.reference import ACCELERATOR_TUNING, CPU_TUNING, reference_for
 
 logger = logging.getLogger(__name__)

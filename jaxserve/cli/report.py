@@ -1,0 +1,83 @@
+"""`jaxserve report`: the click command over `jaxserve.measure.report.run.run_report`."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import click
+
+from jaxserve.cli.output_paths import check_writable
+from jaxserve.config.engine import KV_CACHE_DTYPES, QUANTIZATIONS
+from jaxserve.config.speculative import parse_speculative_config
+from jaxserve.measure.report.context import ReportConfig, fmt
+from jaxserve.measure.report.disagg import pools_option, provide_devices
+from jaxserve.measure.report.run import run_report
+from jaxserve.model.dtypes import RUNTIME_DTYPES
+
+
+@click.command("report")
+@click.option("--model", default="small", show_default=True, help="Preset or HF checkpoint folder.")
+@click.option("--dtype", default="auto", show_default=True,
+              type=click.Choice(RUNTIME_DTYPES))
+@click.option("--quantization", default=None, type=click.Choice(QUANTIZATIONS),
+              help="The engine's weights as int8 or fp8 codes (vLLM's flag); calibrated and priced as such.")
+@click.option("--kv-cache-dtype", default="auto", show_default=True, type=click.Choice(KV_CACHE_DTYPES),
+              help="The engine's KV pages (vLLM's flag); calibrated and priced as such.")
+@click.option("--profile", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="A calibrated hardware profile (default: calibrate now, into DIR/profile.json).")
+@click.option("--out", "out_dir", default="reports/report", show_default=True, type=click.Path(file_okay=False))
+@click.option("--quick", is_flag=True, help="Tiny sizes everywhere (tests, smoke runs).")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--batch-sizes", default=None, help="Grid batch sizes, comma-separated.")
+@click.option("--context-lens", default=None, help="Grid context lengths, comma-separated.")
+@click.option("--long-prompt-len", default=None, type=click.IntRange(min=16))
+@click.option("--load-num-prompts", default=None, type=click.IntRange(min=2))
+@click.option("--disagg", default=None, metavar="P+D", callback=pools_option,
+              help="Also serve a burst on P prefill + D decode devices (on CPU: P + D fake devices, at most "
+                   "the cores) and compare each pool's capacity with the planner's.")
+@click.option("--speculative-config", default=None, metavar="JSON",
+              help="Also one request's TPOT with this speculative decoding (vLLM's JSON) against the planner's.")
+def report_command(model: str, dtype: str, quantization: str | None, kv_cache_dtype: str, profile: str | None,
+                   out_dir: str, quick: bool, seed: int,
+                   batch_sizes: str | None, context_lens: str | None, long_prompt_len: int | None,
+                   load_num_prompts: int | None, disagg: tuple[int, int] | None,
+                   speculative_config: str | None) -> None:
+    """Measured vs predicted: calibrate, grid, two loads, chunked prefill (+ --disagg); DIR/report.*."""
+    if disagg and (quantization or kv_cache_dtype != "auto"):
+        raise click.UsageError("--quantization and --kv-cache-dtype run on one device; drop --disagg")
+    if disagg:  # before anything starts JAX: on CPU the devices are created with the backend
+        try:
+            provide_devices(*disagg)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+    check_writable(out_dir, is_dir=True)
+    cfg = ReportConfig.quick_config(model) if quick else ReportConfig(model=model)
+    cfg = replace(cfg, dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype, seed=seed, disagg=disagg,
+                  speculative=speculative_config)
+    if speculative_config:
+        try:
+            parse_speculative_config(speculative_config)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+    try:
+        if batch_sizes:
+            cfg = replace(cfg, batch_sizes=tuple(int(v) for v in batch_sizes.split(",")))
+            cfg = replace(cfg, max_num_seqs=max(cfg.max_num_seqs, *cfg.batch_sizes))
+        if context_lens:
+            cfg = replace(cfg, context_lens=tuple(int(v) for v in context_lens.split(",")))
+    except ValueError:
+        raise click.UsageError("--batch-sizes and --context-lens take comma-separated integers") from None
+    if long_prompt_len:
+        cfg = replace(cfg, long_prompt_len=long_prompt_len)
+    if load_num_prompts:
+        cfg = replace(cfg, load_num_prompts=load_num_prompts)
+    try:
+        report = run_report(cfg, out_dir, profile, log=lambda m: click.echo(m, err=True))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    s = report["summary"]
+    click.echo(Path(out_dir, "report.md").read_text())
+    click.echo(f"median |error|: TTFT {fmt(s['median_abs_error_ttft_pct'], '.2f')}%, "
+               f"TPOT {fmt(s['median_abs_error_tpot_pct'], '.2f')}% "
+               f"-> {out_dir}/report.json, report.md, report.png ({report['seconds']:.0f} s)")

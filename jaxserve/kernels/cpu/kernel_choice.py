@@ -1,0 +1,205 @@
+"""Decides once per machine and model at which row counts jaxserve's CPU matmul kernel beats XLA's own dots, as a
+`KernelPlan` for the engine's start-up.
+
+For every row count the engine runs up to `cpu_matmul.MAX_ROWS` (its token buckets for the projections, its
+sequence buckets for the LM head), the model's own matrices (every layer's, so that they come from memory as in a
+step) are timed through the kernel and through XLA alternately; the kernel keeps a row count only where its
+median is the lower. The timings are cached beside the kernel library (`<library>.plan.json`: keyed like it by
+the sources, flags, compiler, jaxlib and CPU), per model shape and thread count, so later starts only read them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.kernels.cpu import library as cpu_kernels
+from jaxserve.kernels.cpu import matmul as cpu_matmul
+from jaxserve.kernels.cpu import matmul_int8 as cpu_matmul_int8
+from jaxserve.kernels.cpu.kernel_plan import KernelPlan
+from jaxserve.model.llama import linear
+from jaxserve.model.moe import MoE, grouped_experts
+from jaxserve.model.quantize import QuantizedWeight
+from modelspec.moe_tiles import DECODE_TILE_MAX
+
+logger = logging.getLogger(__name__)
+
+NO_KERNEL = KernelPlan("", frozenset(), frozenset())  # a plan that gives every row count to XLA
+REPEATS = 5  # alternating rounds of the two paths per row count; each keeps its median
+
+
+def model_matrices(model: Any) -> tuple[list[jax.Array], jax.Array, bool]:
+    """The [in, ...] weights a step's projections run over (every layer's, as `Attention` and `MLP` pass them to
+    `linear`), the LM head's weight, and whether that is tied (the embedding, read as x @ w^T)."""
+    weights = [w for layer in model.layers for w in layer.matmul_weights()]
+    tied = model.lm_head is None
+    return weights, model.embed[...] if tied else model.lm_head[...], tied
+
+
+def moe_layers(model: Any) -> list[MoE]:
+    """The model's routed-expert layers, whose tiles the grouped kernel may take."""
+    return [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
+
+
+def _threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def signature(weights: Sequence[jax.Array], head: jax.Array, tied: bool, experts: Sequence[MoE] = ()) -> str:
+    """What the timings depend on beyond the library's key: the matrices' shapes and dtype, and the threads."""
+    shapes = Counter("x".join(map(str, w.shape)) for w in weights)
+    shapes.update(f"experts {'x'.join(map(str, m.experts_gate_up.shape))} top {m.top_k}" for m in experts)
+    codes = sorted({str(w.dtype) for w in weights if isinstance(w, QuantizedWeight)})
+    quantized = "".join(f" {c}" for c in codes)  # float plans keep their key
+    return (f"{_threads()} threads {head.dtype}{quantized} " + " ".join(f"{s}*{n}" for s, n in sorted(shapes.items()))
+            + f" head {'x'.join(map(str, head.shape))}{' tied' if tied else ''}")
+
+
+def time_pair(kernel: Callable[..., Any], xla: Callable[..., Any], args: tuple,
+              repeats: int = REPEATS) -> list[float]:
+    """Median seconds of kernel(*args) and of xla(*args), after one call each (the compile), alternating so that
+    both see the same state of the machine."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for f in (kernel, xla):
+        jax.block_until_ready(f(*args))
+    for _ in range(repeats):
+        for f, ts in zip((kernel, xla), times, strict=True):
+            t = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            ts.append(time.perf_counter() - t)
+    return [float(np.median(ts)) for ts in times]
+
+
+def _supports(x: jax.ShapeDtypeStruct, w: jax.Array | QuantizedWeight) -> bool:
+    """Whether `linear` would give x @ w to a kernel: the int8 one for quantized weights, else the float one."""
+    return cpu_matmul_int8.supports(x, w.q) if isinstance(w, QuantizedWeight) else cpu_matmul.supports(x, w)
+
+
+def _measure_matmuls(weights: list[jax.Array], rows: Sequence[int], repeats: int,
+                     dtype: jnp.dtype = jnp.float32) -> dict[str, list[float]]:
+    """[kernel, XLA] seconds per row count for all of `weights`, each as `linear` runs it."""
+    # XLA's side as the engine runs it where the plan declines the kernel (a CPU step's path, not cpu_kernel=False)
+    kernel, xla = (jax.jit(lambda xs, ws, p=p: [linear(xs[w.shape[0]], w, True, p) for w in ws])
+                   for p in (None, NO_KERNEL))
+    inputs = {w.shape[0] for w in weights}
+    return {str(r): time_pair(kernel, xla, ({n: jnp.ones((r, n), dtype) for n in inputs}, weights),
+                              repeats) for r in rows}
+
+
+def _measure_head(model: Any, rows: Sequence[int], repeats: int) -> dict[str, list[float]]:
+    """[kernel, XLA] seconds per row count of the model's LM head, as `compute_logits` runs it."""
+    graphdef, state = nnx.split(model)
+    kernel, xla = (jax.jit(lambda s, h, k=k: nnx.merge(graphdef, s).compute_logits(h, cpu_kernel=k))
+                   for k in (True, False))
+    hidden, dtype = model.embed.shape[1], model.embed[...].dtype
+    return {str(r): time_pair(kernel, xla, (state, jnp.ones((r, hidden), dtype)), repeats) for r in rows}
+
+
+def _measure_moe(layers: list[MoE], rows: Sequence[int], repeats: int,
+                 dtype: jnp.dtype = jnp.float32) -> dict[str, list[float]]:
+    """[kernel, XLA] seconds per step size of every MoE layer's expert tiles, as `MoE` runs them, for a seeded
+    random routing (each token to top_k distinct experts)."""
+    if not rows:
+        return {}
+    mm = lambda a, w: linear(a, w.reshape(w.shape[0], -1))  # noqa: E731
+    experts = [(m.experts_gate_up[...], m.experts_down[...]) for m in layers]
+    kernel, xla = (jax.jit(lambda x, ids, ws, ex, g=g: [grouped_experts(x, ids, ws, gu, dn, mm, g) for gu, dn in ex])
+                   for g in (cpu_matmul.cpu_grouped_matmul, None))
+    e, k, hidden = layers[0].experts_gate_up.shape[0], layers[0].top_k, layers[0].experts_gate_up.shape[1]
+    timings = {}
+    for r in rows:
+        ids = jnp.asarray(np.argsort(np.random.default_rng(r).random((r, e)), axis=1)[:, :k], jnp.int32)
+        args = (jnp.ones((r, hidden), dtype), ids, jnp.full((r, k), 1.0 / k, jnp.float32), experts)
+        timings[str(r)] = time_pair(kernel, xla, args, repeats)
+    return timings
+
+
+def _measure_int8_threads(weights: list[Any], rows: Sequence[int], repeats: int,
+                          dtype: jnp.dtype = jnp.float32) -> dict[str, list[float]]:
+    """[one thread, all threads] seconds per row count of every int8 matrix through the int8 kernel."""
+    one, every = (jax.jit(lambda xs, ws, t=t: [cpu_matmul_int8.cpu_matmul_int8(xs[w.q.shape[0]], w.q, w.scale, t)
+                                               for w in ws]) for t in (1, 0))
+    inputs = {w.q.shape[0] for w in weights}
+    return {str(r): time_pair(one, every, ({n: jnp.ones((r, n), dtype) for n in inputs}, weights), repeats)
+            for r in rows}
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(path: Path, data: dict) -> None:
+    """Atomically: engines starting side by side each publish a whole file (the last one's timings win)."""
+    fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def choose(model: Any, token_buckets: Sequence[int], seq_buckets: Sequence[int], *, cache: Path | None = None,
+           repeats: int = REPEATS) -> KernelPlan | None:
+    """The plan for `model` on this machine: the row counts among the buckets the kernel can take where it was
+    measured faster than XLA (measured now for any not in `cache`, default beside the kernel library), logged in
+    one line. None where the kernels are not available."""
+    if not cpu_kernels.available():
+        return None
+    weights, head, tied = model_matrices(model)
+    supports_head = cpu_matmul.supports_nt if tied else _supports
+    dtype = model.embed[...].dtype  # the activations' (an int8 head's codes are not)
+    matmul_rows = [r for r in sorted(set(token_buckets)) if any(
+        _supports(jax.ShapeDtypeStruct((r, w.shape[0]), dtype), w) for w in weights)]
+    head_rows = [r for r in sorted(set(seq_buckets))
+                 if supports_head(jax.ShapeDtypeStruct((r, model.embed.shape[1]), dtype), head)]
+    experts = moe_layers(model)
+    moe_rows = [r for r in sorted(set(token_buckets)) if experts and r <= DECODE_TILE_MAX and all(
+        cpu_matmul.supports_grouped(jax.ShapeDtypeStruct((r, m.experts_gate_up.shape[1]), dtype), w)
+        for m in experts for w in (m.experts_gate_up[...], m.experts_down[...]))]
+    # int8 matrices the kernel takes (the head's too), and the row counts at which one thread may beat all of them
+    codes = [w for w in [*weights, head] if isinstance(w, QuantizedWeight)
+             and _supports(jax.ShapeDtypeStruct((1, w.shape[0]), dtype), w)]
+    int8_rows = sorted(set(matmul_rows) | set(head_rows)) if codes and _threads() > 1 else []
+    cache = cache or cpu_kernels.library_path().with_suffix(".plan.json")
+    data = _read(cache)
+    entry = data.setdefault(signature(weights, head, tied, experts), {"matmul": {}, "head": {}})
+    entry.setdefault("moe", {})
+    entry.setdefault("int8_threads", {})
+    t = time.perf_counter()
+    missing = [r for r in matmul_rows if str(r) not in entry["matmul"]]
+    missing_head = [r for r in head_rows if str(r) not in entry["head"]]
+    missing_moe = [r for r in moe_rows if str(r) not in entry["moe"]]
+    missing_int8 = [r for r in int8_rows if str(r) not in entry["int8_threads"]]
+    measured = bool(missing or missing_head or missing_moe or missing_int8)
+    if measured:
+        entry["matmul"].update(_measure_matmuls(weights, missing, repeats, dtype))
+        entry["head"].update(_measure_head(model, missing_head, repeats))
+        entry["moe"].update(_measure_moe(experts, missing_moe, repeats, dtype))
+        entry["int8_threads"].update(_measure_int8_threads(codes, missing_int8, repeats, dtype))
+        _write(cache, data)
+
+    def faster(timings: dict[str, list[float]], rows: list[int]) -> frozenset[int]:
+        return frozenset(r for r in rows if timings[str(r)][0] < timings[str(r)][1])
+
+    plan = KernelPlan(cpu_kernels.isa() or "", faster(entry["matmul"], matmul_rows), faster(entry["head"], head_rows),
+                      faster(entry["moe"], moe_rows), faster(entry["int8_threads"], int8_rows))
+    how = f"measured in {time.perf_counter() - t:.1f} s" if measured else "cached"
+    logger.info("%s (timings %s: %s)", plan.describe(), how, cache)
+    return plan

@@ -1,0 +1,1 @@
+"""jaxserve's GPU kernels, in Pallas: ragged paged attention (`ragged_paged_attention`)."""

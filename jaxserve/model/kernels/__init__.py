@@ -1,1 +1,0 @@
-"""Native CPU kernels (C++ sources compiled on first use) and their JAX bindings."""
