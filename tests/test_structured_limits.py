@@ -6,6 +6,7 @@ values that underflow float32. No engine: the tokenizers of `tiny` (bytes) and `
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 
@@ -20,6 +21,7 @@ from jaxserve.core.json_depth import json_depth
 from jaxserve.core.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxserve.core.tokenizer import load_tokenizer
 from jaxserve.structured import grammar
+from jaxserve.structured.compile_worker import CompileWorker, WorkerUnavailable
 from jaxserve.structured.compiler import GrammarCompiler
 from jaxserve.structured.grammar_cache import GrammarCache
 from jaxserve.structured.limits import GrammarError, GrammarLimitError, GrammarLimits, schema_depth
@@ -152,6 +154,18 @@ def test_a_compile_past_its_time_budget_is_killed_and_refused() -> None:
     late, after = _compile_all(compiler, [Spec(regex="(b{1000}){1000}"), Spec(regex="[a-z]{2}")])
     assert isinstance(late, GrammarLimitError) and "0.2 s" in str(late)
     assert isinstance(after, grammar.CompiledGrammar) and compiler.timeouts == 1
+
+
+def test_a_compiler_process_that_cannot_start_is_the_servers_fault_not_the_requests() -> None:
+    broken = CompileWorker({"kind": "hf", "json": "not a tokenizer", "eos": [0], "vocab": 8},
+                           dataclasses.asdict(GrammarLimits()))
+
+    async def run() -> None:
+        with pytest.raises(WorkerUnavailable, match="did not start"):
+            await broken.check("{}", 5)
+
+    asyncio.run(run())
+    assert broken.proc is None
 
 
 def test_concurrent_requests_for_one_grammar_share_its_compile() -> None:

@@ -33,6 +33,7 @@ from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, U
 from jaxserve.server.responses import Usage
 from jaxserve.server.structured_fields import constraint_field, structured_outputs
 from jaxserve.server.token_text import TokenText
+from jaxserve.structured.compile_worker import WorkerUnavailable
 from jaxserve.structured.compiler import GrammarCompiler
 from jaxserve.structured.grammar import GRAMMAR_FAILED
 from jaxserve.structured.limits import GrammarError, GrammarLimitError
@@ -145,6 +146,10 @@ class Generator(ChoiceFormatter):
                     code = "grammar_limit" if isinstance(e, GrammarLimitError) else "invalid_value"
                     raise APIError(400, f"The structured output constraint does not compile: {e}",
                                    constraint_field(req), code) from None
+                except WorkerUnavailable as e:  # the server's own fault: a 503, logged
+                    logger.error("%s", e)
+                    raise APIError(503, f"Structured outputs are unavailable: {e}", None, "grammar_compiler",
+                                   type_="service_unavailable") from None
                 done.append((spec, attached))
             s.params.structured_outputs = attached  # type: ignore[assignment]
 

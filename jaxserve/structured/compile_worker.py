@@ -104,6 +104,10 @@ class WorkerCrashed(Exception):
     """The child died (or was killed) while compiling."""
 
 
+class WorkerUnavailable(RuntimeError):
+    """The child does not start: the server's fault, not the request's."""
+
+
 class CompileWorker:
     """One child process, used by one compile at a time (the caller serialises); `check(source)` answers
     (ok, bytes or error) or raises WorkerCrashed / TimeoutError. A dead child is restarted on the next call.
@@ -152,10 +156,16 @@ class CompileWorker:
     async def ensure_started(self) -> subprocess.Popen[bytes]:
         """The running child, started (and set up) first when there is none."""
         if self.proc is None or self.proc.poll() is not None:
-            proc = await asyncio.to_thread(self._start)
+            try:
+                proc = await asyncio.to_thread(self._start)
+            except OSError as e:
+                raise WorkerUnavailable(f"the grammar compiler process did not start ({e})") from None
             try:
                 async with asyncio.timeout(START_TIMEOUT_S):
                     await asyncio.to_thread(self._exchange, proc, self.setup)
+            except (TimeoutError, WorkerCrashed) as e:
+                self.kill()
+                raise WorkerUnavailable(f"the grammar compiler process did not start ({e})") from None
             except BaseException:
                 self.kill()
                 raise

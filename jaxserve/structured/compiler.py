@@ -21,7 +21,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from jaxserve.core.sampling_params import StructuredOutputsParams
-from jaxserve.structured.compile_worker import COMPILE_STACK_BYTES, CompileWorker, WorkerCrashed, on_big_stack
+from jaxserve.structured.compile_worker import (
+    COMPILE_STACK_BYTES,
+    CompileWorker,
+    WorkerCrashed,
+    WorkerUnavailable,
+    on_big_stack,
+)
 from jaxserve.structured.grammar import CompiledGrammar, compile_grammar, grammar_source, tokenizer_spec
 from jaxserve.structured.grammar_cache import DEFAULT_CACHE_BYTES, GrammarCache
 from jaxserve.structured.limits import DEFAULT_LIMITS, GrammarError, GrammarLimitError, GrammarLimits
@@ -73,13 +79,13 @@ class GrammarCompiler:
             return
         try:
             await asyncio.gather(*(w.ensure_started() for w in self.workers))
-        except (OSError, TimeoutError, WorkerCrashed) as e:  # they start again on first use
+        except (OSError, WorkerUnavailable) as e:  # they start again on first use
             logger.warning("the grammar compiler processes did not start (%s); they will on first use", e)
         assert idle is self._idle
 
     async def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         """`spec`'s compiled grammar (cached, or compiled now); raises GrammarError (GrammarLimitError for a
-        limit) with a one-line message."""
+        limit) with a one-line message, or WorkerUnavailable when no compiler process starts."""
         loop = asyncio.get_running_loop()
         source = await loop.run_in_executor(self._threads, grammar_source, spec, self.limits)  # Python: off the loop
         hit = self.cache.get(source)
