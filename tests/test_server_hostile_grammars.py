@@ -27,7 +27,9 @@ from hostile_grammars import (
 
 MB = 2**20
 RSS_BOUND = 300 * MB  # issue 40's target, for the server process alone
-HEALTH_BOUND_S = 1.0  # loose for CI's shared cores; the 100 ms target is measured by the benchmark
+HEALTH_BOUND_S = 2.0  # /health answers through every case (liveness, on CI's shared cores)
+COMPILING_BOUND_S = 0.5  # while 20 schemas compile (compiles on the event loop held it 1.5 s); the 100 ms target
+# is measured by scripts/bench_hostile_grammars.py
 FLAGS = ("--max-num-seqs", "16", "--max-num-batched-tokens", "128", "--chunk-size", "64",
          "--kv-cache-memory", "8MiB", "--max-model-len", "1024", "--structured-outputs-cache-bytes", "32MiB")
 
@@ -89,12 +91,13 @@ def test_distinct_pathological_regexes_leave_memory_bounded(server: ServeProcess
     assert server.children_rss() < 1024 * MB  # the worker processes are bounded too
 
 
+@pytest.mark.exclusive
 def test_twenty_distinct_schemas_compile_while_health_answers(server: ServeProcess) -> None:
     bodies = [{"prompt": "x", "max_tokens": 4, "guided_json": wide_schema(500 + i)} for i in range(20)]
     with HealthProbe(server.url, interval=0.01) as probe, ThreadPoolExecutor(20) as pool:
         statuses = list(pool.map(lambda b: _post(server, COMPLETIONS, b).status_code, bodies))
     assert statuses == [200] * 20
-    assert probe.worst() < HEALTH_BOUND_S and len(probe.latencies) > 5
+    assert probe.worst() < COMPILING_BOUND_S and len(probe.latencies) > 5
 
 
 @pytest.mark.parametrize("seed", range(2))
