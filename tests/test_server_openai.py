@@ -207,7 +207,7 @@ def test_bad_chat_requests(server) -> None:
                                                          "top_logprobs"),
                         ({"messages": [{"role": "narrator", "content": "x"}]}, "messages[0].role"),
                         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-                         "tools[0]"),
+                         "tools[0].function"),
                         ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream")]:
         r = httpx.post(url, json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -6,6 +6,7 @@ On `tiny` (random weights: it would write anything) through `LLM` and through th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -20,6 +21,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.config.engine import EngineConfig
 from jaxserve.core.sampling_params import StructuredOutputsParams
 from jaxserve.structured import grammar
+from jaxserve.structured.limits import DEFAULT_LIMITS, GrammarLimits
 from tests.conftest import TINY_ENGINE_ARGS
 
 SCHEMA = {"type": "object", "additionalProperties": False,
@@ -70,9 +72,9 @@ def test_a_constrained_request_draws_the_same_beside_others(tiny_llm: LLM) -> No
 def test_compiled_grammars_are_cached(tiny_llm: LLM) -> None:
     spec = constrained(regex=r"cache-[0-9]+")
     tiny_llm.generate(["a"], SamplingParams(max_tokens=8, structured_outputs=spec))
-    hits = grammar._compiled.cache_info().hits
+    hits = grammar.CACHE.hits
     tiny_llm.generate(["b", "c"], SamplingParams(max_tokens=8, structured_outputs=spec))
-    assert grammar._compiled.cache_info().hits == hits + 2
+    assert grammar.CACHE.hits == hits + 2
 
 
 def test_a_bad_constraint_is_refused_at_submission(tiny_llm: LLM) -> None:
@@ -80,6 +82,23 @@ def test_a_bad_constraint_is_refused_at_submission(tiny_llm: LLM) -> None:
         tiny_llm.generate(["a"], SamplingParams(max_tokens=4, structured_outputs=constrained(regex="(((")))
     with pytest.raises(ValueError, match="exactly one"):
         constrained(regex="a", choice=("b",))
+
+
+def _tight(spec: StructuredOutputsParams, tokenizer) -> StructuredOutputsParams:
+    """`spec` compiled under a lexer-state limit that `[a-z]{60}` passes at first and meets some tokens in."""
+    tight = GrammarLimits(max_lexer_states=40)
+    matcher = grammar.compile_matcher(grammar.ll_tokenizer(tokenizer, 512), grammar.grammar_source(spec), tight)
+    return dataclasses.replace(spec, compiled=grammar.CompiledGrammar(matcher, 0))
+
+
+def test_a_grammar_that_fails_mid_output_fails_its_request_alone(tiny_llm: LLM) -> None:
+    failing = SamplingParams(temperature=1.0, seed=3, max_tokens=70,
+                             structured_outputs=_tight(constrained(regex="[a-z]{60}"), tiny_llm.tokenizer))
+    fine = SamplingParams(temperature=1.0, seed=3, max_tokens=20, structured_outputs=constrained(regex="[0-9]{20}"))
+    bad, good = tiny_llm.generate(["a", "b"], [failing, fine])
+    assert bad.error.startswith(grammar.GRAMMAR_FAILED) and "too many states" in bad.error
+    assert bad.outputs[0].finish_reason == "abort" and len(bad.outputs[0].token_ids) < 60  # failed, not cut
+    assert re.fullmatch("[0-9]{20}", good.outputs[0].text) and good.error is None
 
 
 def test_the_multi_step_loop_takes_constrained_requests_one_step_at_a_time(tiny_llm: LLM) -> None:
@@ -132,6 +151,18 @@ def test_vllms_fields_on_completions(client: openai.OpenAI, extra: dict, check) 
                                   extra_body=extra)
     for choice in r.choices:
         assert check(choice.text), choice.text
+
+
+def test_a_grammar_failing_mid_output_is_a_400_not_a_wrong_answer(server) -> None:
+    grammars = server.server.config.app.state.generator.grammars
+    grammars.limits = GrammarLimits(max_lexer_states=40)  # the worker checked with the defaults: this one fails later
+    try:
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "a", "max_tokens": 70, "temperature": 1.0,
+                                                              "seed": 1, "guided_regex": "[a-z]{59}"}, timeout=60)
+    finally:
+        grammars.limits = DEFAULT_LIMITS
+    assert r.status_code == 400 and r.json()["error"]["code"] == "grammar_limit", r.text
+    assert "too many states" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("extra, param", [

@@ -1,13 +1,15 @@
 """Tool calling through the chat endpoint with the official client: `auto` parsed from Hermes-format text (a fake
 engine that echoes its prompt writes the call), `required` and a named function enforced by a grammar on `tiny`
-(random weights, so only the grammar makes the call parse), calls streamed as deltas, tool messages and
-assistant calls accepted in the history.
+(random weights, so only the grammar makes the call parse) and on the trained `bard`, ending within max_tokens
+(one call with `parallel_tool_calls: false`), calls streamed as deltas, tool messages and assistant calls
+accepted in the history.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import jsonschema
 import openai
@@ -149,3 +151,52 @@ def test_a_named_function_is_always_called(client: openai.OpenAI) -> None:
         (call,) = calls
         assert call.function.name == "get_time"
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_time"])
+
+
+def test_required_calls_end_whatever_the_budget_and_one_when_not_parallel(client: openai.OpenAI) -> None:
+    for max_tokens, parallel in ((80, True), (120, False), (None, True)):  # 80: the tightest caps just fit
+        kw = {"max_tokens": max_tokens} if max_tokens else {}
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather?"}],
+                                           tools=TOOLS, tool_choice="required", n=3, temperature=1.0, seed=7,
+                                           parallel_tool_calls=parallel, **kw)
+        for choice in r.choices:
+            assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+            assert parallel or len(choice.message.tool_calls) == 1
+            for call in choice.message.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+# ---- the trained default model ----
+
+@pytest.fixture(scope="module")
+def bard_client():
+    import jaxserve
+
+    if not (Path(jaxserve.__file__).parent / "trained_models" / "bard" / "model.safetensors").is_file():
+        pytest.skip("the trained model bard is not in this checkout")
+    config = EngineConfig(model="bard", max_num_seqs=8, max_num_batched_tokens=128, chunk_size=64, page_size=16,
+                          kv_cache_memory=32 * 2**20, max_model_len=512)
+    with engine_server(config) as live:
+        yield openai.OpenAI(base_url=f"{live.url}/v1", api_key="none", max_retries=0, timeout=300)
+
+
+UNBOUNDED = [{"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}},
+             {"type": "function", "function": {"name": "note", "parameters": {
+                 "type": "object", "properties": {"text": {"type": "string"}, "score": {"type": "number"},
+                                                  "tags": {"type": "array", "items": {"type": "string"}}}}}}]
+
+
+@pytest.mark.parametrize("choice, parallel", [("required", None), ("required", False),
+                                              ({"type": "function", "function": {"name": "add"}}, None)])
+def test_enforced_calls_parse_in_every_run_on_bard(bard_client: openai.OpenAI, choice, parallel) -> None:
+    """Unbounded integers, strings and lists in the schemas: the caps make every call end and parse."""
+    kw = {} if parallel is None else {"parallel_tool_calls": parallel}
+    r = bard_client.chat.completions.create(model="bard", messages=[{"role": "user", "content": "Add 2 and 3."}],
+                                            tools=UNBOUNDED, tool_choice=choice, n=8, temperature=1.0, seed=11,
+                                            **kw)
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
+        assert parallel is not False or len(c.message.tool_calls) == 1
+        for call in c.message.tool_calls:
+            assert isinstance(json.loads(call.function.arguments), dict)

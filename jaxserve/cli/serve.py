@@ -69,6 +69,13 @@ def _limit_options(f: Any) -> Any:
         click.option("--request-read-timeout", type=click.FloatRange(min=0, min_open=True),
                      default=d.request_read_timeout, show_default=True,
                      help="Seconds a client has to send a request's headers and body (408 and close past it)."),
+        click.option("--structured-outputs-cache-bytes", type=_Size(), default=d.structured_outputs_cache_bytes,
+                     show_default=True, help="Memory the compiled grammars of structured outputs and tool calls may "
+                                             "hold (an LRU, by bytes); one grammar may take a quarter of it (400 "
+                                             "past that)."),
+        click.option("--structured-outputs-compile-timeout", type=click.FloatRange(min=0, min_open=True),
+                     default=d.structured_outputs_compile_timeout, show_default=True,
+                     help="Seconds one grammar may take to compile, in a worker process (400 past it)."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -89,7 +96,8 @@ def serve(host: str, port: int, served_model_name: str | None, log_interval: flo
           **options: Any) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (with no --model: bard, the trained model that ships)."""
     names = ("api_keys", "max_request_body_bytes", "max_prompts_per_request", "max_num_waiting", "request_timeout",
-             "stream_buffer_tokens", "request_read_timeout")
+             "stream_buffer_tokens", "request_read_timeout", "structured_outputs_cache_bytes",
+             "structured_outputs_compile_timeout")
     try:
         limits = ServerLimits(**{k: options.pop(k) for k in names})
     except ValueError as e:  # e.g. an empty --api-key

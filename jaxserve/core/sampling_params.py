@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 # The sampler keeps a seed in 32 bits (runner/sampler.py): a seed outside [0, 2**32) would collide with one
 # inside, so it is refused rather than cut. Integer fields go into int32 device arrays.
@@ -11,6 +12,11 @@ SEED_RANGE = 2**32
 INT32_MAX = 2**31 - 1
 MAX_LOGIT_BIAS = 300  # entries; the sampler's bias input has this fixed width
 MAX_BAD_WORDS = 128
+# Values that float32 cannot carry are clamped to what they mean (vLLM's _SAMPLING_EPS for temperature): a
+# temperature this small is greedy; a top_p this small keeps only the most likely token (for any vocabulary
+# below 1e8), as 1e-300 means, where float32 would make it 0 and keep nothing; a repetition_penalty this small
+# already makes a seen token win, while 1e-300 in float32 is 0 and divides logits by zero.
+MIN_TEMPERATURE, MIN_TOP_P, MIN_REPETITION_PENALTY, MIN_MIN_P = 1e-5, 1e-8, 1e-6, 1e-8
 
 
 def _finite(x: float) -> bool:
@@ -31,6 +37,9 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    # Set by the server once it has compiled the constraint out of process (structured/compiler.py): the engine
+    # copies it instead of compiling. Not part of the constraint's identity.
+    compiled: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
@@ -88,6 +97,20 @@ class SamplingParams:
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
+        self._clamp()
+
+    def _clamp(self) -> None:
+        """Move values below what float32 carries to their meaning (see MIN_TEMPERATURE)."""
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
+        self.top_p = max(self.top_p, MIN_TOP_P)
+        self.min_p = 0.0 if self.min_p < MIN_MIN_P else self.min_p
+        self.repetition_penalty = max(self.repetition_penalty, MIN_REPETITION_PENALTY)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if abs(getattr(self, name)) < 1e-30:  # below float32's normal range: no penalty
+                setattr(self, name, 0.0)
+        if self.logit_bias:
+            self.logit_bias = {t: (0.0 if abs(v) < 1e-30 else v) for t, v in self.logit_bias.items()}
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field (its name is the message's first word)."""

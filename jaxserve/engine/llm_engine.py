@@ -34,6 +34,7 @@ from jaxserve.runner.prompt_logprobs import PromptLogprobs, PromptRows, plan_row
 from jaxserve.runner.sampler import SamplingArrays
 from jaxserve.scheduler.kv_cache_manager import KVCacheManager
 from jaxserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from jaxserve.structured.grammar import GRAMMAR_FAILED
 from modelspec.spec import load_model_spec
 
 log = logging.getLogger("jaxserve")
@@ -229,8 +230,11 @@ class LLMEngine:
 
     # Outputs --------------------------------------------------------------------------------------------------
     def _postprocess(self, tracked: _Tracked, result: StepResult, s: int, now: float) -> RequestOutput:
-        """Stamp a request's new token, record its logprobs, check its stops, and describe it."""
+        """Stamp a request's new token, record its logprobs, check its stops, and describe it. A request whose
+        grammar failed (a limit reached mid-output: structured/grammar.py) fails alone."""
         req = tracked.request
+        if req.grammar is not None and req.grammar.error is not None:
+            return self.fail(req.request_id, f"{GRAMMAR_FAILED}: {req.grammar.error}")
         self.counters["generation_tokens"] += 1
         req.token_times.append(now)
         if req.first_token_time is None:

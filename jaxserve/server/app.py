@@ -71,10 +71,12 @@ def build_app(engine: Any, log_interval: float = 10.0, limits: ServerLimits | No
                 stats.log()
 
         task = asyncio.create_task(log_loop())
+        grammars = asyncio.create_task(gen.grammars.start())  # the compiler processes, in the background
         try:
             yield
         finally:
             task.cancel()
+            grammars.cancel()
             gen.abort_all()
 
     app = FastAPI(title="jaxserve", version=jaxserve.__version__, lifespan=lifespan)
@@ -182,7 +184,9 @@ def build_app(engine: Any, log_interval: float = 10.0, limits: ServerLimits | No
         release: Callable[[], None] | None = admission.reserve(num_sequences(req))
         try:
             req_id = new_request_id(prefix)
-            subs = await offload(big, make_subs, req_id, req)
+            many_tools = len(getattr(req, "tools", None) or ()) > 8  # their grammar is fitted to max_tokens
+            subs = await offload(big or many_tools, make_subs, req_id, req)
+            await gen.compile_constraints(subs, req)
             if req.stream:
                 opts = req.stream_options
                 usage = bool(opts and opts.include_usage)

@@ -20,12 +20,14 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from jaxserve.core.json_depth import json_depth
 from jaxserve.server import yielding_json
 from jaxserve.server.errors import APIError, validation_error
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 OFFLOAD_BYTES = 32 * 2**10  # below this, a thread hop costs more than the work it would move
+MAX_BODY_DEPTH = 128  # nesting of a whole body, measured before anything recursive (json, pydantic) walks it
 MAX_IGNORED_DEPTH = 64  # nesting allowed in the fields a request holds but jaxserve ignores
 _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxserve-decode")
 CLOSE = {"Connection": "close"}  # the body was left unread: the connection cannot carry another request
@@ -67,7 +69,12 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 def decode(body: bytes, cls: type[M], precheck: Callable[[dict[str, Any]], None] | None = None) -> M:
     """Parse and validate a JSON object body as `cls`; every problem is a 400. `precheck` sees the raw object
-    first (cheap bounds before pydantic walks it). A big body is parsed in slices."""
+    first (cheap bounds before pydantic walks it). A big body is parsed in slices, and any body nested deeper
+    than MAX_BODY_DEPTH is refused before it is parsed."""
+    depth = json_depth(body)
+    if depth > MAX_BODY_DEPTH:
+        raise APIError(400, f"Malformed JSON body: nested {depth} deep, past this server's limit of "
+                            f"{MAX_BODY_DEPTH}", None, "invalid_json")
     try:
         if len(body) >= OFFLOAD_BYTES:
             obj = yielding_json.loads(body)

@@ -23,7 +23,9 @@ class ServerLimits:
     `max_num_waiting` bounds admitted sequences beyond the engine's `max_num_seqs` (429 past it);
     `request_timeout` is seconds from arrival to the last token (None: none); `stream_buffer_tokens` is how far
     the engine may run ahead of a stream's reader before the request is aborted (0: no bound);
-    `request_read_timeout` is the seconds a client has to send a request's headers and body.
+    `request_read_timeout` is the seconds a client has to send a request's headers and body;
+    `structured_outputs_cache_bytes` bounds the compiled grammars kept (one grammar may take a quarter of it) and
+    `structured_outputs_compile_timeout` the seconds one grammar may take to compile (structured/compiler.py).
     """
 
     api_keys: tuple[str, ...] = ()
@@ -33,14 +35,16 @@ class ServerLimits:
     request_timeout: float | None = None
     stream_buffer_tokens: int = 2048
     request_read_timeout: float = 30.0
+    structured_outputs_cache_bytes: int = 64 * 2**20
+    structured_outputs_compile_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if any(not k for k in self.api_keys):
             raise ValueError("an API key must not be empty")
-        for name in ("max_request_body_bytes", "max_prompts_per_request"):
+        for name in ("max_request_body_bytes", "max_prompts_per_request", "structured_outputs_cache_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("request_timeout", "request_read_timeout"):
+        for name in ("request_timeout", "request_read_timeout", "structured_outputs_compile_timeout"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be positive, got {value}")

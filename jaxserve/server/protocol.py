@@ -20,12 +20,13 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 from jaxserve.core.sampling_params import MAX_BAD_WORDS, MAX_LOGIT_BIAS, SEED_RANGE, SamplingParams
 from jaxserve.server.errors import UnsupportedValue, excerpt
 from jaxserve.server.structured_fields import structured_outputs
-from jaxserve.structured.tools import check_tools, template_messages
+from jaxserve.structured.tools import ToolsError, check_tool_calls, check_tools, template_messages
 
 _STRICT = ConfigDict(strict=True, extra="allow")  # extras are kept so that ignored_fields can name them
 MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 32, 1024, 1024
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 MAX_IGNORED_NAMES = 8
+MAX_ARGUMENTS_DEPTH = 64  # a past tool call's JSON arguments, parsed for the chat template
 
 
 def _whole(value: Any) -> Any:
@@ -110,8 +111,10 @@ class _SamplingRequest(BaseModel):
         if self.prompt_logprobs is not None and self.stream:  # vLLM's rule too
             raise UnsupportedValue("prompt_logprobs", "prompt_logprobs is not available when streaming")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, seed: int | None) -> SamplingParams:
-        """The engine's SamplingParams; raises ValueError naming an invalid field."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, seed: int | None,
+                        constraint: Any = ...) -> SamplingParams:
+        """The engine's SamplingParams; raises ValueError naming an invalid field. `constraint` is the request's
+        structured output constraint when already built (`structured_outputs(self, max_tokens)` otherwise)."""
         kw: dict[str, Any] = {}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
@@ -123,7 +126,8 @@ class _SamplingRequest(BaseModel):
                               seed=seed, ignore_eos=self.ignore_eos, logprobs=logprobs,
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               logit_bias=self.token_bias(), min_tokens=self.min_tokens, bad_words=self.bad_words,
-                              structured_outputs=structured_outputs(self), **kw)
+                              structured_outputs=structured_outputs(self, max_tokens) if constraint is ...
+                              else constraint, **kw)
 
     def prompt_logprobs_k(self) -> int | None:
         return self.prompt_logprobs
@@ -151,7 +155,7 @@ class _SamplingRequest(BaseModel):
         if self.seed is not None and 0 <= self.seed < SEED_RANGE <= self.seed + self.n - 1:
             raise UnsupportedValue("seed", f"seed + n - 1 must be below 2**32 (choice i uses seed + i), got seed "
                                            f"{self.seed} with n {self.n}", "invalid_value")
-        self.sampling_params(self.max_tokens or 1, None, self.seed)
+        self.sampling_params(self.max_tokens or 1, None, self.seed, structured_outputs(self, None))
 
 
 class CompletionRequest(_SamplingRequest):
@@ -222,6 +226,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Int | None = None
     tools: Annotated[list[dict[str, Any]], Field(fail_fast=True)] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call under tool_choice "required"
 
     @model_validator(mode="after")
     def _merge_max_tokens(self) -> ChatCompletionRequest:
@@ -233,10 +238,11 @@ class ChatCompletionRequest(_SamplingRequest):
         super().check_supported()
         try:
             check_tools(self.tools, self.tool_choice)
-        except ValueError as e:
-            param = str(e).split(" ")[0]
-            raise UnsupportedValue(param if param.startswith("tools") else "tool_choice", str(e),
-                                   "invalid_value") from None
+            for i, m in enumerate(self.messages):
+                if m.tool_calls:
+                    check_tool_calls(m.tool_calls, f"messages[{i}].tool_calls", MAX_ARGUMENTS_DEPTH)
+        except ToolsError as e:
+            raise UnsupportedValue(e.param, str(e), "invalid_value") from None
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise UnsupportedValue("top_logprobs", "top_logprobs requires logprobs to be true")

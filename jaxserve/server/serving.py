@@ -31,10 +31,12 @@ from jaxserve.server.errors import APIError
 from jaxserve.server.limits import ServerLimits
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedValue
 from jaxserve.server.responses import Usage
-from jaxserve.server.structured_fields import constraint_field
+from jaxserve.server.structured_fields import constraint_field, structured_outputs
 from jaxserve.server.token_text import TokenText
-from jaxserve.structured.grammar import GrammarError
-from jaxserve.structured.grammar import matcher as grammar_matcher
+from jaxserve.structured.compile_worker import WorkerUnavailable
+from jaxserve.structured.compiler import GrammarCompiler
+from jaxserve.structured.grammar import GRAMMAR_FAILED
+from jaxserve.structured.limits import GrammarError, GrammarLimitError
 
 __all__ = ["APIError", "Generator", "new_request_id"]
 logger = logging.getLogger("jaxserve.server")
@@ -64,6 +66,10 @@ class Generator(ChoiceFormatter):
         self.max_model_len: int = engine.max_model_len
         self.vocab_size: int = engine.spec.vocab_size
         self.inflight: set[str] = set()
+        lim = self.limits
+        self.grammars = GrammarCompiler(engine.tokenizer, self.vocab_size,
+                                        cache_bytes=lim.structured_outputs_cache_bytes,
+                                        timeout_s=lim.structured_outputs_compile_timeout)
 
     # ---- prompts ----
 
@@ -105,7 +111,9 @@ class Generator(ChoiceFormatter):
             for i in range(req.n):
                 seed = None if req.seed is None else req.seed + i
                 try:
-                    params = req.sampling_params(max_tokens, logprobs, seed)
+                    if i == 0:  # built once a prompt: a tool call's grammar is fitted to the budget (ms per tool)
+                        constraint = structured_outputs(req, max_tokens)
+                    params = req.sampling_params(max_tokens, logprobs, seed, constraint)
                 except ValueError as e:
                     raise APIError(400, str(e), str(e).split(" ")[0], "invalid_value") from None
                 k = p * req.n + i
@@ -115,18 +123,35 @@ class Generator(ChoiceFormatter):
         return subs
 
     def _check_processing(self, params: SamplingParams, req: CompletionRequest | ChatCompletionRequest) -> None:
-        """400 for a logit_bias outside the vocabulary or a constraint that does not compile (compiling it here
-        also fills the cache the engine takes its matcher from)."""
+        """400 for a logit_bias outside the vocabulary (constraints are compiled by `compile_constraints`)."""
         bad = next((t for t in params.logit_bias or {} if t >= self.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"logit_bias holds token id {bad}, outside the vocabulary (size {self.vocab_size})",
                            "logit_bias", "invalid_value")
-        if params.structured_outputs is not None:
-            try:
-                grammar_matcher(params.structured_outputs, self.tokenizer, self.vocab_size)
-            except GrammarError as e:
-                raise APIError(400, f"The structured output constraint does not compile: {e}",
-                               constraint_field(req), "invalid_value") from None
+
+    async def compile_constraints(self, subs: list[_Sub], req: CompletionRequest | ChatCompletionRequest) -> None:
+        """Compile each distinct constraint of `subs` (structured/compiler.py: checked, compiled in a worker
+        process first, off the event loop) and attach it to their params; a 400 naming the field when it does
+        not compile or is past a limit."""
+        done: list[tuple[object, object]] = []  # (spec, compiled spec): equal specs compile once
+        for s in subs:
+            spec = s.params.structured_outputs
+            if spec is None:
+                continue
+            attached = next((c for d, c in done if d == spec), None)
+            if attached is None:
+                try:
+                    attached = await self.grammars.attach(spec)
+                except GrammarError as e:
+                    code = "grammar_limit" if isinstance(e, GrammarLimitError) else "invalid_value"
+                    raise APIError(400, f"The structured output constraint does not compile: {e}",
+                                   constraint_field(req), code) from None
+                except WorkerUnavailable as e:  # the server's own fault: a 503, logged
+                    logger.error("%s", e)
+                    raise APIError(503, f"Structured outputs are unavailable: {e}", None, "grammar_compiler",
+                                   type_="service_unavailable") from None
+                done.append((spec, attached))
+            s.params.structured_outputs = attached  # type: ignore[assignment]
 
     def completion_subs(self, req_id: str, req: CompletionRequest) -> list[_Sub]:
         try:
@@ -205,6 +230,8 @@ class Generator(ChoiceFormatter):
                     ready = list(newest.values())
                     newest.clear()
                     for sub, out in ready:
+                        if out.error and out.error.startswith(GRAMMAR_FAILED):  # a grammar limit, mid-output
+                            raise APIError(400, out.error, None, "grammar_limit")
                         if out.error:
                             raise APIError(500, f"The engine failed this request: {out.error}")
                         yield sub, out
@@ -246,10 +273,11 @@ class Generator(ChoiceFormatter):
             raise _shutdown_error() if self.closing else APIError(500, "The engine aborted this request")
 
     def abort_all(self) -> None:
-        """Shutdown: refuse new requests (503) and abort the ones in flight."""
+        """Shutdown: refuse new requests (503) and abort the ones in flight; end the grammar compilers."""
         self.closing = True
         for rid in list(self.inflight):
             self.engine.abort(rid)
+        self.grammars.close()
 
     async def stream(self, req_id: str, subs: list[_Sub], chat: bool, include_usage: bool,
                      deadline: float | None = None, cut: asyncio.Event | None = None,

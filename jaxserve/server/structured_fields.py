@@ -14,6 +14,7 @@ from jaxserve.core.sampling_params import StructuredOutputsParams
 from jaxserve.server.errors import UnsupportedValue
 from jaxserve.structured.tools import tool_constraint
 
+ANY_JSON = StructuredOutputsParams(json={})  # a tool call's place in the one-constraint rule, before its budget
 _TYPES: dict[str, tuple[type, ...]] = {"json": (str, dict), "json_object": (bool,), "regex": (str,),
                                        "choice": (list,), "grammar": (str,)}
 
@@ -63,8 +64,10 @@ def _fields(source: dict[str, Any], prefix: str) -> dict[str, Any]:
     return out
 
 
-def structured_outputs(req: Any) -> StructuredOutputsParams | None:
-    """The request's one constraint, or None; raises UnsupportedValue for a malformed or second one."""
+def structured_outputs(req: Any, budget: int | None) -> StructuredOutputsParams | None:
+    """The request's one constraint, or None; raises UnsupportedValue for a malformed or second one. A tool
+    call's grammar is fitted to `budget` tokens (the request's max_tokens); with None (validation, before the
+    budget is known) it is a placeholder that only takes part in the one-constraint rule."""
     found: list[tuple[str, StructuredOutputsParams]] = []
     if req.response_format is not None:
         spec = _response_format(req.response_format)
@@ -79,7 +82,11 @@ def structured_outputs(req: Any) -> StructuredOutputsParams | None:
         if value is not None:
             found.append((f"guided_{key}", _make(f"guided_{key}", **_fields({key: value}, "guided_"))))
     if "tools" in type(req).model_fields and req.tools:  # chat's (an extra field elsewhere: ignored)
-        tool = tool_constraint(req.tools, req.tool_choice)  # required, or a named function
+        parallel = req.parallel_tool_calls is not False  # OpenAI's default: true
+        if budget is None:
+            tool = ANY_JSON if tool_constraint(req.tools, req.tool_choice, None) else None
+        else:
+            tool = tool_constraint(req.tools, req.tool_choice, budget, parallel)  # required, or a named function
         if tool is not None:
             found.append(("tool_choice", tool))
     if len(found) > 1:

@@ -1,9 +1,11 @@
 """Tool calling: tools rendered for the chat template, `tool_choice` enforced with a grammar, calls parsed back.
 
-- `tool_choice: "required"`: the output is constrained to a JSON list of one or more calls, each
-  `{"name": <one of the tools>, "parameters": <that tool's schema>}` (vLLM's approach); every call parses. A
-  parameters object that does not set `additionalProperties` is closed (OpenAI's strict mode), so calls end.
-- A named function: the output is constrained to that function's parameters schema; it is the call's arguments.
+- `tool_choice: "required"`: the output is constrained to a JSON list of calls, each `{"name": <one of the
+  tools>, "parameters": <that tool's schema>}` (vLLM's approach), at most as many as fit max_tokens (one with
+  `parallel_tool_calls: false`), with arguments bounded to fit (structured/tool_grammar.py): every call ends
+  and parses. An object that does not set `additionalProperties` is closed (OpenAI's strict mode).
+- A named function: the output is constrained to that function's parameters schema, bounded the same way; it
+  is the call's arguments.
 - `"auto"`: the model writes freely and calls are parsed from its text with the Hermes format (Qwen, Hermes,
   many others): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; text outside them is the content.
 - `"none"`: tools are rendered but never parsed.
@@ -20,7 +22,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from jaxserve.core.json_depth import json_depth
 from jaxserve.core.sampling_params import StructuredOutputsParams
+from jaxserve.structured.limits import DEFAULT_LIMITS, GrammarError, GrammarLimits, check_json_schema
+from jaxserve.structured.tool_grammar import arguments_schema, call_list_schema
 
 HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 HERMES_OPEN = "<tool_call>"
@@ -41,35 +46,97 @@ class ToolCall:
         return out if index is None else {"index": index, **out}
 
 
-def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> None:
-    """Raise ValueError (its first word the field) for tools or a tool_choice OpenAI would refuse."""
-    names = []
+class ToolsError(ValueError):
+    """A malformed tools, tool_choice or assistant tool_calls field; `param` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+MAX_TOOLS = 128  # OpenAI's bound
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # OpenAI's characters (and . and :, which MCP names use)
+
+
+def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, limits: GrammarLimits = DEFAULT_LIMITS) -> None:
+    """Raise ToolsError (naming the field) for tools or a tool_choice OpenAI would refuse, or for a parameters
+    schema past `limits`."""
+    names: list[str] = []
+    if tools is not None and len(tools) > MAX_TOOLS:
+        raise ToolsError("tools", f"tools holds {len(tools)} functions; at most {MAX_TOOLS} are allowed")
     for i, tool in enumerate(tools or []):
-        fn = tool.get("function") if tool.get("type") == "function" else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., ...}}}}")
-        if not isinstance(fn.get("parameters", {}), dict):
-            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
-        names.append(fn["name"])
+        at = f"tools[{i}]"
+        if tool.get("type") != "function":
+            raise ToolsError(f"{at}.type", f"{at}.type must be 'function'")
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise ToolsError(f"{at}.function", f"{at} must be {{'type': 'function', 'function': {{'name': ...}}}}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise ToolsError(f"{at}.function.name", f"{at}.function.name must be 1-64 letters, digits, '_', '-', "
+                                                    "'.' or ':'")
+        if name in names:
+            raise ToolsError(f"{at}.function.name", f"{at}.function.name repeats tools[{names.index(name)}]'s "
+                                                    f"name '{name}'")
+        for key, kind, what in (("description", str, "a string"), ("parameters", dict, "a JSON schema object"),
+                                ("strict", bool, "a boolean")):
+            if fn.get(key) is not None and not isinstance(fn[key], kind):
+                raise ToolsError(f"{at}.function.{key}", f"{at}.function.{key} must be {what}")
+        try:
+            check_json_schema(fn.get("parameters") or {}, limits)
+        except GrammarError as e:
+            raise ToolsError(f"{at}.function.parameters", f"{at}.function.parameters: {e}") from None
+        names.append(name)
+    _check_choice(tool_choice, names)
+
+
+def _check_choice(tool_choice: Any, names: list[str]) -> None:
     if tool_choice is None or tool_choice in ("none", "auto"):
         return
     if tool_choice == "required":
         if not names:
-            raise ValueError("tool_choice 'required' needs tools")
+            raise ToolsError("tool_choice", "tool_choice 'required' needs tools")
         return
-    name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
+    if not isinstance(tool_choice, dict):
+        raise ToolsError("tool_choice", "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', "
+                                        "'function': {'name': ...}}")
+    if tool_choice.get("type") != "function":
+        raise ToolsError("tool_choice.type", "tool_choice.type must be 'function'")
+    fn = tool_choice.get("function")
+    if not isinstance(fn, dict):
+        raise ToolsError("tool_choice.function", "tool_choice.function must be an object {'name': ...}")
+    name = fn.get("name")
     if not isinstance(name, str):
-        raise ValueError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
-                         "{'name': ...}}")
+        raise ToolsError("tool_choice.function.name", "tool_choice.function.name must be a string")
     if name not in names:
-        raise ValueError(f"tool_choice names a function that is not among the tools: {name[:60]}")
+        raise ToolsError("tool_choice.function.name", f"tool_choice.function.name names a function that is not "
+                                                      f"among the tools: {name[:60]}")
+
+
+def check_tool_calls(calls: list[dict[str, Any]], at: str, max_depth: int) -> None:
+    """An assistant message's `tool_calls` (`at` names them): each {'id'?, 'type'?: 'function', 'function':
+    {'name': str, 'arguments': str}}, the arguments nested at most `max_depth` deep."""
+    for j, call in enumerate(calls):
+        where = f"{at}[{j}]"
+        if call.get("type", "function") != "function":
+            raise ToolsError(f"{where}.type", f"{where}.type must be 'function'")
+        if not isinstance(call.get("id", ""), str):
+            raise ToolsError(f"{where}.id", f"{where}.id must be a string")
+        fn = call.get("function")
+        if not isinstance(fn, dict):
+            raise ToolsError(f"{where}.function", f"{where}.function must be {{'name': ..., 'arguments': ...}}")
+        if not isinstance(fn.get("name"), str):
+            raise ToolsError(f"{where}.function.name", f"{where}.function.name must be a string")
+        args = fn.get("arguments")
+        if not isinstance(args, str):
+            raise ToolsError(f"{where}.function.arguments", f"{where}.function.arguments must be a string (JSON)")
+        if json_depth(args) > max_depth:
+            raise ToolsError(f"{where}.function.arguments", f"{where}.function.arguments nests {json_depth(args)} "
+                                                            f"deep; at most {max_depth} is allowed")
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
-    """A tool's parameters schema as the grammar enforces it: closed (no properties beyond the declared ones)
-    unless it says otherwise, as OpenAI's strict function calling requires, so a call always ends."""
-    schema = tool["function"].get("parameters") or {"type": "object", "properties": {}}
-    return {"additionalProperties": False, **schema} if schema.get("type") == "object" else schema
+    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
 
 
 def named_function(tool_choice: Any) -> str | None:
@@ -78,20 +145,23 @@ def named_function(tool_choice: Any) -> str | None:
     return None
 
 
-def tool_constraint(tools: list[dict[str, Any]] | None, tool_choice: Any) -> StructuredOutputsParams | None:
-    """The grammar that enforces `tool_choice` (required or a named function), else None."""
+def tool_constraint(tools: list[dict[str, Any]] | None, tool_choice: Any, budget: int | None,
+                    parallel: bool = True) -> StructuredOutputsParams | bool | None:
+    """The grammar that enforces `tool_choice` (required or a named function) within `budget` tokens
+    (structured/tool_grammar.py), else None; with `budget` None only whether there is one (True or None)."""
     if not tools:
         return None
+    enforced = named_function(tool_choice) is not None or tool_choice == "required"
+    if budget is None:
+        return True if enforced else None
     name = named_function(tool_choice)
     if name is not None:
         tool = next(t for t in tools if t["function"]["name"] == name)
-        return StructuredOutputsParams(json=_parameters(tool))
+        return StructuredOutputsParams(json=arguments_schema(_parameters(tool), budget))
     if tool_choice != "required":
         return None
-    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-              "properties": {"name": {"const": t["function"]["name"]}, "parameters": _parameters(t)}}
-             for t in tools]
-    return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+    schema, _ = call_list_schema({t["function"]["name"]: _parameters(t) for t in tools}, budget, parallel)
+    return StructuredOutputsParams(json=schema)
 
 
 def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None, tool_choice: Any,
@@ -166,6 +236,6 @@ def _with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
     if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
         try:
             return {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
-        except ValueError:
+        except (ValueError, RecursionError):  # the server bounds the depth first; LLM callers may not
             return call
     return call
