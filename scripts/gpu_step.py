@@ -18,21 +18,18 @@ Writes gpu_step.json and gpu_step.md into OUT_DIR (default: $OUT if set, else ou
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
-import os
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from gpu_common import begin, finish, guarded, median_time
 
 from jaxserve.config.engine import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
@@ -65,17 +62,6 @@ class Plan:
 
 SMOKE = Plan(model="tiny", dtype="float32", decode_context=48, prefill_len=64, steps=3, reps=2,
              kv_bytes=8 * 2**20, max_model_len=256, interpret=True)
-
-
-def median_time(fn, reps: int) -> float:
-    """Median seconds of `fn()` (blocked until ready) over `reps` calls after one untimed call."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
 
 
 def ragged_case(rng, plan: Plan, heads: int, kv_heads: int, head_dim: int, decodes: list[int],
@@ -267,15 +253,6 @@ def _gpu_name() -> str:
     return next((v for k, v in names.items() if k in kind.replace(" ", "")), "h200")
 
 
-def guarded(fn, log) -> dict[str, Any]:
-    """fn()'s result, or the error it raised (the run goes on)."""
-    try:
-        return fn()
-    except Exception as e:
-        log(traceback.format_exc())
-        return {"error": f"{type(e).__name__}: {e}"}
-
-
 def markdown(report: dict[str, Any]) -> str:
     e, k = report.get("engine", {}), report.get("kernel", {})
     lines = [f"# gpu_step: {report['device']} ({report['jax']})", "", f"elapsed {report['elapsed_s']:.0f} s; "
@@ -299,27 +276,6 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def begin(description: str, default_out: str, budget_s: float
-          ) -> tuple[argparse.Namespace, Path, Callable[[str], None], float]:
-    """What every prepared GPU script starts with: its arguments (OUT_DIR, --cpu-smoke, --budget-s), the output
-    folder (made), a log that stamps seconds since the start, and that start."""
-    ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("out", nargs="?", default=os.environ.get("OUT") or default_out)
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on a CPU (kernels interpreted)")
-    ap.add_argument("--budget-s", type=float, default=budget_s, help="skip parts that would start after this")
-    args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-
-    def log(msg: str) -> None:
-        print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", flush=True)
-
-    if jax.devices()[0].platform == "cpu" and not args.cpu_smoke:
-        log("warning: no accelerator; the figures below measure this CPU")
-    return args, out, log, t0
-
-
 def main() -> None:
     args, out, log, t0 = begin(__doc__.splitlines()[0], "out/gpu_step", 330.0)
     plan = SMOKE if args.cpu_smoke else Plan()
@@ -331,17 +287,6 @@ def main() -> None:
     parts = [("kernel", report["kernel"]), ("engine", report["engine"]), *report["engine"].items()]
     report["failed"] = [name for name, v in parts if isinstance(v, dict) and "error" in v]
     finish(out, "gpu_step", report, markdown, log, t0)
-
-
-def finish(out: Path, name: str, report: dict[str, Any], render: Callable[[dict[str, Any]], str],
-           log: Callable[[str], None], t0: float) -> None:
-    """Stamp the elapsed time, write OUT/name.json and OUT/name.md (`render`'s), and print the latter."""
-    report["elapsed_s"] = time.perf_counter() - t0
-    (out / f"{name}.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    text = render(report)
-    (out / f"{name}.md").write_text(text)
-    print(text)
-    log(f"wrote {out}/{name}.json and {name}.md")
 
 
 if __name__ == "__main__":
