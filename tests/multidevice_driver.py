@@ -45,6 +45,7 @@ def run_tp(degrees: list[int], **engine_args) -> dict:
             "kv_shard_shape": list(k.addressable_shards[0].data.shape),
             "kv_devices": len(k.sharding.device_set),
             "num_pages": llm.engine.num_pages,
+            "attention": type(runner.ops.attention).__name__,
         }
     return result
 
@@ -152,6 +153,9 @@ if __name__ == "__main__":
 
         jaxserve.platform.policy.CPU_OVERLAP_MAX_TOKENS = 10**9
         print(json.dumps(run_tp([int(x) for x in rest], async_scheduling=True)))
+    elif mode == "tp-pallas":  # the Pallas kernels (interpreted on a CPU) under shard_map on the TP mesh
+        backend, *degrees = rest
+        print(json.dumps(run_tp([int(x) for x in degrees], attention_backend=backend)))
     elif mode == "tp-checkpoint":
         print(json.dumps(run_tp_checkpoint([int(x) for x in rest])))
     elif mode == "disagg":

@@ -16,11 +16,12 @@ from jaxserve.cli.engine_flags import config_from_options, engine_options
 from jaxserve.config.engine import ATTENTION_BACKENDS, EngineConfig
 from jaxserve.core.batch import empty_batch
 from jaxserve.kernels.gpu.ragged_paged_attention import PallasAttention
+from jaxserve.kernels.gpu.split_kv_decode import SplitKvAttention
 from jaxserve.model.attention.cpu_kernel import CpuKernelAttention
 from jaxserve.model.attention.reference import ACCELERATOR_TUNING, CPU_TUNING
 from jaxserve.platform.attention_choice import finest_chunk, select_backend
 from tests.conftest import TINY_ENGINE_ARGS
-from tests.hlo_checks import dynamic_while_loops
+from tests.hlo_checks import dynamic_while_loops, host_round_trips
 
 
 def test_auto_picks_per_platform_dtype_and_shape():
@@ -28,13 +29,14 @@ def test_auto_picks_per_platform_dtype_and_shape():
     assert select_backend("auto", "cpu", f32, 64, 16) == CpuKernelAttention()
     assert select_backend("auto", "cpu", f32, 64, 16, cpu_kernels=False) == CPU_TUNING
     assert select_backend("auto", "cpu", bf16, 64, 16) == CPU_TUNING  # the C++ kernel is float32 only
-    assert select_backend("auto", "gpu", bf16, 64, 16) == PallasAttention()
+    assert select_backend("auto", "gpu", bf16, 64, 16) == SplitKvAttention()  # decodes split over the KV
     assert select_backend("auto", "gpu", bf16, 80, 16) == ACCELERATOR_TUNING  # not a power of two
-    assert select_backend("auto", "gpu", bf16, 128, 16, num_devices=2) == ACCELERATOR_TUNING  # TP: not yet
+    assert select_backend("auto", "gpu", bf16, 128, 16, num_devices=2) == SplitKvAttention()  # the policy shards it
     assert select_backend("auto", "tpu", bf16, 128, 16) == ACCELERATOR_TUNING
     assert select_backend("reference", "gpu", bf16, 128, 16) == ACCELERATOR_TUNING
     assert select_backend("reference", "cpu", f32, 64, 16) == CPU_TUNING
     assert select_backend("pallas", "cpu", f32, 64, 16) == PallasAttention(interpret=True)
+    assert select_backend("pallas-split", "cpu", f32, 64, 16) == SplitKvAttention(interpret=True)
 
 
 @pytest.mark.parametrize(("name", "platform", "dtype", "head_dim", "message"), [
@@ -64,7 +66,7 @@ def test_the_config_and_the_flag():
         assert result.exit_code == 0, result.output
         assert seen[-1].attention_backend == expected
     assert CliRunner().invoke(command, ["--attention-backend", "flash"]).exit_code != 0
-    assert set(ATTENTION_BACKENDS) == {"auto", "reference", "cpu", "pallas"}
+    assert set(ATTENTION_BACKENDS) == {"auto", "reference", "cpu", "pallas", "pallas-split"}
     assert finest_chunk(16) == min(CPU_TUNING.q_blocks)
 
 
@@ -121,4 +123,7 @@ def test_the_accelerator_step_has_no_host_visible_loop(xla_runner, num_tokens):
     pallas = lowered_step(runner, PallasAttention(), num_tokens)
     assert "__gpu$xla.gpu.triton" in pallas
     assert "stablehlo.while" not in pallas
+    for split in (SplitKvAttention(), SplitKvAttention(decode_only=True)):  # the GPU default, and its decode step
+        text = lowered_step(runner, split, num_tokens)
+        assert "__gpu$xla.gpu.triton" in text and host_round_trips(text) == []
     assert dynamic_while_loops(lowered_step(runner, ACCELERATOR_TUNING, num_tokens))

@@ -3,12 +3,17 @@ attention backend), and what the engine does with it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import pytest
 
 from jaxserve import LLM
+from jaxserve.kernels.gpu.ragged_paged_attention import PallasAttention
+from jaxserve.kernels.gpu.split_kv_decode import SplitKvAttention
 from jaxserve.model.attention.reference import ACCELERATOR_TUNING, CPU_TUNING
 from jaxserve.model.ops import XLA_MATMULS
+from jaxserve.platform.attention_choice import select_backend
 from jaxserve.platform.kernel_choice import CPU_XLA_ROUTE
 from jaxserve.platform.policy import default_dtype, policy_for
 from tests.conftest import TINY_ENGINE_ARGS
@@ -42,3 +47,17 @@ def test_the_engine_takes_its_loop_and_buckets_from_the_policy(tiny_llm: LLM):
 def test_an_explicit_loop_wins_over_the_platforms_default():
     llm = LLM(model="tiny", async_scheduling=True, warmup=False, **TINY_ENGINE_ARGS)
     assert llm.engine.loop.name == "overlapped"
+
+
+def test_a_gpu_splits_decodes_over_the_kv_and_runs_a_step_of_decodes_alone():
+    split = SplitKvAttention(num_sms=132)
+    gpu = policy_for("gpu", split)
+    assert gpu.ops.attention == split and gpu.ops_for(True).attention == dataclasses.replace(split, decode_only=True)
+    assert gpu.ops_for(False) is gpu.ops
+    assert policy_for("gpu", ACCELERATOR_TUNING).ops_for(True) == policy_for("gpu", ACCELERATOR_TUNING).ops
+
+
+def test_auto_on_a_gpu_is_the_split_kv_kernel_sized_to_the_device():
+    backend = select_backend("auto", "gpu", jnp.bfloat16, 64, 16, num_sms=108)
+    assert isinstance(backend, SplitKvAttention) and backend.num_sms == 108
+    assert select_backend("pallas", "gpu", jnp.bfloat16, 64, 16, num_devices=2) == PallasAttention()  # sharded later

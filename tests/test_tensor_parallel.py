@@ -61,6 +61,15 @@ def test_kv_pages_sharded_on_kv_heads_with_replication(tp_runs):
         assert run["num_pages"] == kv_pool_pages(spec, 2 * 2**20, 16, "fp32", tp)
 
 
+@pytest.mark.parametrize("backend", ["pallas", "pallas-split"])
+def test_the_pallas_kernels_under_shard_map_give_tp_1s_tokens(backend):
+    """Each device attends with its own heads (model/attention/sharded.py); interpreted on a CPU, so short."""
+    runs = run_driver("tp-pallas", backend, "1", "2", timeout=900)
+    assert runs["1"]["tokens"] == runs["2"]["tokens"]
+    assert runs["2"]["attention"] == "ShardedAttention" and runs["1"]["attention"] != "ShardedAttention"
+    assert runs["2"]["compiles_after_warmup"] == 0
+
+
 def test_checkpoint_with_qkv_bias_and_untied_head():
     """Loading straight onto the mesh (TP 2) and re-laying qkv and its bias for replicated KV heads (TP 4)."""
     runs = run_driver("tp-checkpoint", "1", "2", "4")

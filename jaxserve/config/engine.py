@@ -10,7 +10,7 @@ from jaxserve.config.speculative import SpeculativeConfig, parse_speculative_con
 # `--quantization`: the weight formats jaxserve/model/quantize.py can run.
 QUANTIZATIONS = ("int8", "fp8")
 # `--attention-backend`: auto picks at start-up (jaxserve/model/attention/select.py); the others force one.
-ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas")
+ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas", "pallas-split")
 # `--kv-cache-dtype` (vLLM's names): auto stores KV in `dtype`; int8 and fp8 (e4m3) store codes with one float32
 # scale per token per KV head (model/attention/kv_quant.py). fp8_e4m3 is vLLM's other name for fp8.
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")

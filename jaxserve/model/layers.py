@@ -10,8 +10,9 @@ from jax import lax
 
 from jaxserve.kernels.cpu import matmul as cpu_matmul
 from jaxserve.kernels.cpu import matmul_int8 as cpu_matmul_int8
+from jaxserve.kernels.gpu.matvec import matvec
 from jaxserve.model.ops import XLA_MATMULS, MatmulRoute
-from jaxserve.model.quantize import QuantizedWeight, quantized_matmul
+from jaxserve.model.quantize import QuantizedWeight, fp8_matmul, quantized_matmul
 from modelspec.spec import ModelSpec
 
 
@@ -44,15 +45,27 @@ def linear(x: jax.Array, w: jax.Array | QuantizedWeight, route: MatmulRoute = XL
     converted in registers) where the route allows, else in XLA (`quantize.quantized_matmul`).
     """
     t = x.shape[0]
+    if route.matvec_at(t):
+        return gpu_matvec(x, w, route.matvec_interpret)
     if isinstance(w, QuantizedWeight):
         if route.kernel_at(t) and cpu_matmul_int8.supports(x, w.q):
             return cpu_matmul_int8.cpu_matmul_int8(x, w.q, w.scale, route.int8_threads(t))
+        if route.fp8_activations and w.q.dtype == jnp.float8_e4m3fn:
+            return fp8_matmul(x, w)
         return quantized_matmul(x, w, in_step_order=route.step_order_converts)
     if route.kernel_at(t) and cpu_matmul.supports(x, w):
         return cpu_matmul.cpu_matmul(x, w)
     if route.transposed_at(t):
         return lax.dot_general(lax.optimization_barrier(x.T), w, (((0,), (0,)), ((), ())))
     return lax.dot_general(x, w, (((1,), (0,)), ((), ())))
+
+
+def gpu_matvec(x: jax.Array, w: jax.Array | QuantizedWeight, interpret: bool = False) -> jax.Array:
+    """x [T, in] @ w [in, ...] in the GPU few-row matmul (`kernels/gpu/matvec.py`): codes and their scales for a
+    `QuantizedWeight`, read once in their stored dtype."""
+    q, scales = (w.q, w.scale) if isinstance(w, QuantizedWeight) else (w, None)
+    out = matvec(x, q.reshape(q.shape[0], -1), None if scales is None else scales.reshape(-1), interpret=interpret)
+    return out.reshape(x.shape[0], *q.shape[1:])
 
 
 class RMSNorm(nnx.Module):

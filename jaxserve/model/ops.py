@@ -24,7 +24,13 @@ class MatmulRoute:
       where XLA would otherwise hoist every weight's float copy to the step's start; docs/quantization.md);
     - `moe_tiles_in_use`: the MoE layer's XLA loop runs over the tiles in use, a device-computed bound (a CPU, whose
       loops run on the host anyway), rather than over the most a step can need (a static bound: an accelerator's
-      runtime would copy a device-computed bound to the host every iteration; model/moe.py).
+      runtime would copy a device-computed bound to the host every iteration; model/moe.py);
+    - `matvec_rows`: on a GPU, the row counts at which a projection (float or int8/fp8 codes) runs in the Pallas
+      few-row matmul (kernels/gpu/matvec.py), which reads the weight once in its stored dtype: measured faster than
+      XLA's dot at those counts on this device at start-up (platform/gpu_matmul_choice.py); `matvec_interpret`
+      runs it in Pallas' interpreter (tests on a CPU);
+    - `fp8_activations`: fp8 weights at row counts past the matvec's run as an fp8 GEMM, the activations quantized
+      per token to e4m3 (Hopper's fp8 tensor cores; model/quantize.py).
     """
 
     cpu_kernel: bool = False
@@ -32,6 +38,9 @@ class MatmulRoute:
     transposed_rows: tuple[int, int] | None = None
     step_order_converts: bool = False
     moe_tiles_in_use: bool = False
+    matvec_rows: frozenset[int] = frozenset()
+    matvec_interpret: bool = False
+    fp8_activations: bool = False
 
     def kernel_at(self, rows: int) -> bool:
         """Whether the C++ matmul may take a projection of `rows` rows."""
@@ -48,6 +57,10 @@ class MatmulRoute:
     def int8_threads(self, rows: int) -> int:
         """The int8 kernel's thread limit at `rows` rows (0: all of XLA's intra-op threads)."""
         return self.plan.int8_threads(rows) if self.plan is not None else 0
+
+    def matvec_at(self, rows: int) -> bool:
+        """Whether a projection of `rows` rows runs in the GPU few-row matmul."""
+        return rows in self.matvec_rows
 
     def transposed_at(self, rows: int) -> bool:
         """Whether a projection of `rows` rows goes in transposed (see the class doc)."""

@@ -131,6 +131,19 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, in_step_order: bool = Fal
     return (y * w.scale).astype(x.dtype)
 
 
+def fp8_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """x [T, in] @ W [in, out...] with W as fp8 (e4m3) codes and x quantized per token to e4m3 (scale = the row's
+    absmax / 448): an fp8 x fp8 product accumulated in float32 (Hopper's fp8 tensor cores), both scales applied to
+    the output, in x's dtype."""
+    xf = x.astype(jnp.float32)
+    x_scale = jnp.maximum(jnp.max(jnp.abs(xf), axis=1, keepdims=True), 1e-12) / CODE_MAX["fp8"]
+    xq = (xf / x_scale).astype(jnp.float8_e4m3fn)
+    codes = w.q.reshape(w.q.shape[0], -1)
+    y = jax.lax.dot_general(xq, codes, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    y = y.reshape(x.shape[0], *w.q.shape[1:])
+    return (y * x_scale.reshape(-1, *(1,) * (y.ndim - 1)) * w.scale).astype(x.dtype)
+
+
 def param_bytes(tree: Any) -> int:
     """Bytes of every array leaf of a parameter tree (codes and scales of quantized weights included)."""
     return sum(int(leaf.nbytes) for leaf in jax.tree.leaves(tree) if hasattr(leaf, "nbytes"))

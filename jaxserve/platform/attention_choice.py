@@ -2,10 +2,14 @@
 what the device, dtype and shapes allow. Nothing on the step path looks at the platform again.
 
 - auto: on a CPU, the C++ kernel where it can run (float32, a head dimension it is built for, the kernels built,
-  one device), else the reference with a CPU's tuning; on a GPU, the Pallas kernel where it can run (see
-  `pallas.supports`; one device), else the reference with an accelerator's tuning; elsewhere that reference.
-- reference / cpu / pallas: that backend, or a ValueError saying why it cannot run here. `pallas` on a CPU runs
-  the kernel in Pallas' interpreter: for tests and debugging, far too slow to serve.
+  one device), else the reference with a CPU's tuning; on a GPU, the Pallas kernels where they can run (see
+  `pallas.supports`): decodes split over the KV (`pallas-split`, flash-decoding, so a lone long decode fills the
+  device) and the rest in one ragged call; else the reference with an accelerator's tuning; elsewhere that
+  reference. On a mesh of several devices the policy runs a Pallas kernel under `shard_map`
+  (model/attention/sharded.py).
+- reference / cpu / pallas / pallas-split: that backend, or a ValueError saying why it cannot run here. `pallas`
+  is the ragged kernel alone (decodes included). The Pallas backends on a CPU run in Pallas' interpreter: for
+  tests and debugging, far too slow to serve.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from jaxserve.config.engine import ATTENTION_BACKENDS
 from jaxserve.kernels.cpu import attention as cpu_attention
 from jaxserve.kernels.gpu import ragged_paged_attention as pallas
 from jaxserve.kernels.gpu.ragged_paged_attention import PallasAttention
+from jaxserve.kernels.gpu.split_kv_decode import H200_SMS, SplitKvAttention
 from jaxserve.kernels.kv_quant import kv_kind as kv_kind  # the runner asks its pool here
 from jaxserve.model.attention.backend import AttentionBackend
 from jaxserve.model.attention.cpu_kernel import CpuKernelAttention
@@ -49,8 +54,6 @@ def _pallas_refusal(platform: str, dtype: jnp.dtype, head_dim: int, page_size: i
     """Why the Pallas kernel cannot run here, or None when it can."""
     if platform not in GPU_PLATFORMS + ("cpu",):
         return f"it is written for NVIDIA GPUs (Pallas-Triton), not {platform}"
-    if num_devices > 1:
-        return f"it runs on one device; this engine's mesh has {num_devices} (tensor parallelism)"
     if pallas.plgpu is None:
         return f"this jax ({jax.__version__}) has no Pallas-Triton (jax.experimental.pallas.triton)"
     if not pallas.supports(dtype, head_dim, page_size):
@@ -62,12 +65,15 @@ def _pallas_refusal(platform: str, dtype: jnp.dtype, head_dim: int, page_size: i
 
 
 def select_backend(name: str, platform: str, dtype: jnp.dtype, head_dim: int, page_size: int, *,
-                   cpu_kernels: bool = True, num_devices: int = 1, kv_cache_dtype: str = "auto") -> AttentionBackend:
+                   cpu_kernels: bool = True, num_devices: int = 1, kv_cache_dtype: str = "auto",
+                   num_sms: int | None = None) -> AttentionBackend:
     """The backend `name` (one of ATTENTION_BACKENDS) resolves to on `platform` ("cpu", "gpu", "tpu", ...) for a
     KV pool of `dtype` (the model's), `head_dim` and `page_size` spread over `num_devices`, its pages stored as
     `kv_cache_dtype` ("auto": in `dtype`; "int8"/"fp8": `kv_quant` codes, which every backend here reads);
-    `cpu_kernels`: whether jaxserve's C++ kernels may run (the engine's flag, and one device). Raises ValueError
-    for a name or an explicit choice that cannot run here."""
+    `cpu_kernels`: whether jaxserve's C++ kernels may run (the engine's flag, and one device); `num_sms`: the
+    GPU's multiprocessors, which the split-KV kernel fills (None: an H200's). Raises ValueError for a name or an
+    explicit choice that cannot run here. `num_devices` is accepted for the caller's sake: a Pallas kernel runs on a
+    mesh under `shard_map`, which the policy adds."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, not {name!r}")
     cpu_no = _cpu_kernel_refusal(platform, dtype, head_dim, cpu_kernels, kv_cache_dtype)
@@ -76,7 +82,7 @@ def select_backend(name: str, platform: str, dtype: jnp.dtype, head_dim: int, pa
         if platform == "cpu":
             return CpuKernelAttention() if cpu_no is None else CPU_TUNING
         if platform in GPU_PLATFORMS and pallas_no is None:
-            return PallasAttention()
+            return SplitKvAttention(num_sms=num_sms or H200_SMS)
         return ACCELERATOR_TUNING
     if name == "reference":
         return reference_for(platform)
@@ -85,11 +91,13 @@ def select_backend(name: str, platform: str, dtype: jnp.dtype, head_dim: int, pa
             raise ValueError(f"attention backend 'cpu' cannot run here: {cpu_no}")
         return CpuKernelAttention()
     if pallas_no is not None:
-        raise ValueError(f"attention backend 'pallas' cannot run here: {pallas_no}")
-    if platform == "cpu":
-        logger.warning("attention backend 'pallas' on a CPU runs in Pallas' interpreter: tests only, very slow")
-        return PallasAttention(interpret=True)
-    return PallasAttention()
+        raise ValueError(f"attention backend {name!r} cannot run here: {pallas_no}")
+    interpret = platform == "cpu"
+    if interpret:
+        logger.warning("attention backend %r on a CPU runs in Pallas' interpreter: tests only, very slow", name)
+    if name == "pallas-split":
+        return SplitKvAttention(num_sms=num_sms or H200_SMS, interpret=interpret)
+    return PallasAttention(interpret=interpret)
 
 
 def reference_for(platform: str) -> ReferenceAttention:

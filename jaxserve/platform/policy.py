@@ -28,9 +28,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxserve.kernels.gpu.ragged_paged_attention import PallasAttention
+from jaxserve.kernels.gpu.split_kv_decode import SplitKvAttention
 from jaxserve.kernels.kv_quant import kv_kind
-from jaxserve.model.ops import XLA_MATMULS, ModelOps
-from jaxserve.platform import kernel_choice
+from jaxserve.model.attention.sharded import ShardedAttention
+from jaxserve.model.ops import XLA_MATMULS, MatmulRoute, ModelOps
+from jaxserve.platform import gpu_matmul_choice, kernel_choice
 from jaxserve.platform.attention_choice import GPU_PLATFORMS, select_backend
 
 log = logging.getLogger("jaxserve")
@@ -53,6 +56,7 @@ class PlatformPolicy:
 
     platform: str  # "cpu", "gpu", "tpu": what the choices were made for
     ops: ModelOps
+    decode_ops: ModelOps | None = None  # a step of decodes only runs these, when given (split-KV without prefill)
     sampler_cut: str = "sort"  # "sort" or "search"
     wide_step_above: int | None = None  # token buckets above this compile with `wide_step_options`
     wide_step_options: tuple[tuple[str, str], ...] = ()
@@ -74,6 +78,10 @@ class PlatformPolicy:
     def overlaps(self, num_tokens: int) -> bool:
         """Whether the overlapped loop runs host work beside a step of `num_tokens` tokens."""
         return self.overlap_max_tokens is None or num_tokens <= self.overlap_max_tokens
+
+    def ops_for(self, decode_only: bool) -> ModelOps:
+        """The ops a step runs: `decode_ops` for a step of decodes only (when the policy has them), else `ops`."""
+        return self.decode_ops if decode_only and self.decode_ops is not None else self.ops
 
     def token_buckets(self, ladder: Sequence[int]) -> tuple[int, ...]:
         """The engine's token buckets on this platform: `ladder`'s rungs, none below `min_token_bucket`."""
@@ -119,27 +127,43 @@ def choose_policy(model: Any, kv_caches: Any, *, attention_backend: str = "auto"
     platform = platform_of(devices)
     cpu = platform == "cpu"
     one_device = len(devices) == 1
-    kernels = cpu_kernels and one_device  # XLA cannot split the kernels' custom calls over a mesh
+    kernels = cpu_kernels and one_device  # XLA cannot split the CPU kernels' custom calls over a mesh
     k0 = kv_caches[0][0]
+    num_sms = getattr(next(iter(devices)), "core_count", None) if not cpu else None
     attention = select_backend(attention_backend, platform, k0.dtype, k0.shape[3], k0.shape[1],
-                               cpu_kernels=kernels, num_devices=len(devices), kv_cache_dtype=kv_kind(k0))
+                               cpu_kernels=kernels, num_devices=len(devices), kv_cache_dtype=kv_kind(k0),
+                               num_sms=num_sms)
     route = None
     if cpu and kernels:
         plan = kernel_plan or kernel_choice.choose(model, token_buckets, seq_buckets)
         route = dataclasses.replace(kernel_choice.CPU_KERNEL_ROUTE, plan=plan) if plan is not None else None
-    return policy_for(platform, attention, route)
+    mesh = None if one_device else getattr(sharding, "mesh", None)
+    if platform in GPU_PLATFORMS:
+        device = next(iter(devices))
+        route = MatmulRoute(matvec_rows=gpu_matmul_choice.choose(model, token_buckets, device) if one_device
+                            else frozenset(), fp8_activations=gpu_matmul_choice.fp8_tensor_cores(device))
+    return policy_for(platform, attention, route, mesh)
 
 
-def policy_for(platform: str, attention: Any, cpu_route: Any = None) -> PlatformPolicy:
-    """The policy of `platform` once its attention backend (and, on a CPU, its matmul route: None for XLA's own
-    dots) is chosen: every other choice follows from the platform alone."""
+def policy_for(platform: str, attention: Any, route: MatmulRoute | None = None, mesh: Any = None) -> PlatformPolicy:
+    """The policy of `platform` once its attention backend and its matmul route (what was measured on this machine:
+    a CPU's kernel plan, a GPU's few-row matmul rows; None for XLA's own dots) are chosen: every other choice
+    follows from the platform alone. On a `mesh` of several devices a Pallas kernel runs under `shard_map` (each
+    device its own heads)."""
+    decode = dataclasses.replace(attention, decode_only=True) if isinstance(attention, SplitKvAttention) else None
+    if mesh is not None and isinstance(attention, PallasAttention | SplitKvAttention):
+        attention = ShardedAttention(attention, mesh)
+        decode = ShardedAttention(decode, mesh) if decode is not None else None
     if platform == "cpu":
-        return PlatformPolicy(platform, ModelOps(attention, cpu_route or kernel_choice.CPU_XLA_ROUTE),
+        route = route or kernel_choice.CPU_XLA_ROUTE
+        return PlatformPolicy(platform, ModelOps(attention, route), ModelOps(decode, route) if decode else None,
                               sampler_cut="search", wide_step_above=CPU_SEPARATE_DOTS_ABOVE,
                               wide_step_options=CPU_SEPARATE_DOTS_OPTIONS, overlap_max_tokens=CPU_OVERLAP_MAX_TOKENS)
     gpu = platform in GPU_PLATFORMS
-    return PlatformPolicy(platform, ModelOps(attention, XLA_MATMULS), sampler_cut="sort", async_by_default=True,
-                          min_token_bucket=GPU_MIN_TOKEN_BUCKET if gpu else 1)
+    route = route or XLA_MATMULS
+    return PlatformPolicy(platform, ModelOps(attention, route),
+                          ModelOps(decode, route) if decode else None, sampler_cut="sort",
+                          async_by_default=True, min_token_bucket=GPU_MIN_TOKEN_BUCKET if gpu else 1)
 
 
 def default_ops(kv_caches: Any, *, cpu_kernels: bool = True) -> ModelOps:

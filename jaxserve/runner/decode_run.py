@@ -93,7 +93,7 @@ def _decode_run_impl(runner: Any, k: int, t: int, draw: str, param_leaves, kv_ca
             cu_q_lens=cu,
             kv_lens=jnp.zeros(n_seq, jnp.int32).at[:s_rows].set(jnp.where(real, pos + 1, 0)),
             page_table=table, num_seqs=num_seqs, num_decodes=num_seqs)
-        hidden, kv = model(jnp.pad(tok, (0, pad_t)), jnp.pad(pos, (0, pad_t)), kv, meta, runner.ops)
+        hidden, kv = model(jnp.pad(tok, (0, pad_t)), jnp.pad(pos, (0, pad_t)), kv, meta, runner.policy.ops_for(True))
         logits = model.compute_logits(hidden[:s_rows], runner.ops.matmul)
         new, lp = sample_tokens(logits, temperature, top_k, top_p, min_p, seed, step + i, draw=draw, want_top=False,
                                 cut=runner.policy.sampler_cut)

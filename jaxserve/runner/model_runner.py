@@ -78,7 +78,8 @@ class ModelRunner:
         sharding = kv_caches[0][0].sharding
         self.mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
         self.replicated = replicated(self.mesh) if self.mesh is not None else sharding
-        self._forwards: dict[tuple[bool, bool], Callable] = {}  # (wide bucket, every row's hidden state) -> jit
+        # (wide bucket, every row's hidden state, decodes only) -> jit
+        self._forwards: dict[tuple[bool, bool, bool], Callable] = {}
         self.sampler = Sampler(self)
         self.prompt_head = PromptHead(self)  # jitted on first use
         self.pages = PageMover(self)
@@ -126,22 +127,26 @@ class ModelRunner:
         """`batch` packed for a `num_tokens` bucket (`StepLayout.pack`), placed for the jitted call."""
         return self.put(self.layout.pack(batch, num_tokens))
 
-    def _forward_impl(self, all_rows: bool, param_leaves, kv_caches, packed, prev_tokens):
+    def _forward_impl(self, all_rows: bool, decode_only: bool, param_leaves, kv_caches, packed, prev_tokens):
         token_ids, positions, meta, logits_indices = self.layout.unpack(packed)
         # A placeholder stands for what a sequence of the previous step drew, still on the device.
         drawn = prev_tokens[jnp.clip(placeholder_seq(token_ids), 0, prev_tokens.shape[0] - 1)]
         token_ids = jnp.where(is_placeholder(token_ids), drawn, token_ids)
-        hidden, kv_caches = self.model(param_leaves)(token_ids, positions, kv_caches, meta, self.ops)
+        ops = self.policy.ops_for(decode_only)
+        hidden, kv_caches = self.model(param_leaves)(token_ids, positions, kv_caches, meta, ops)
         return (hidden[logits_indices], hidden, kv_caches) if all_rows else (hidden[logits_indices], kv_caches)
 
-    def forward_fn(self, num_tokens: int, *, all_rows: bool = False, fresh: bool = False) -> Callable:
+    def forward_fn(self, num_tokens: int, *, all_rows: bool = False, decode_only: bool = False,
+                   fresh: bool = False) -> Callable:
         """The jitted forward of a `num_tokens` bucket: (param leaves, pool, packed inputs, previous tokens) ->
-        (logits rows' hidden states, [every row's,] pool). `fresh`: a new jit, traced with the policy as it is
-        when first called (tools comparing backends), not the engine's compiled one."""
+        (logits rows' hidden states, [every row's,] pool). `decode_only`: the variant for a step of decodes only
+        (the policy's `decode_ops`; the same as the other where it has none). `fresh`: a new jit, traced with the
+        policy as it is when first called (tools comparing backends), not the engine's compiled one."""
         options = self.policy.compiler_options(num_tokens)
-        key = (options is not None, all_rows)
+        decode_only = decode_only and self.policy.decode_ops is not None
+        key = (options is not None, all_rows, decode_only)
         if fresh or key not in self._forwards:
-            fn = self.jit_step(lambda *a: self._forward_impl(all_rows, *a), num_inputs=2,
+            fn = self.jit_step(lambda *a: self._forward_impl(all_rows, decode_only, *a), num_inputs=2,
                                num_outputs=2 if all_rows else 1, compiler_options=options)
             if fresh:
                 return fn
@@ -153,7 +158,8 @@ class ModelRunner:
         (and of every row, with `all_rows`), on the device. `prev`: the tokens a step in flight draws, which
         `batch`'s placeholders stand for."""
         t = bucket_for(batch.num_tokens, self.token_buckets)
-        *hidden, self.kv_caches = self.forward_fn(t, all_rows=all_rows)(
+        decode_only = batch.num_seqs > 0 and batch.num_prefill_tokens == 0  # host-known: picks the variant
+        *hidden, self.kv_caches = self.forward_fn(t, all_rows=all_rows, decode_only=decode_only)(
             self.param_leaves, self.kv_caches, self.device_inputs(batch, t), self.no_prev if prev is None else prev)
         return tuple(hidden) if all_rows else hidden[0]
 
@@ -162,7 +168,7 @@ class ModelRunner:
         shapes alone: `.lower(lowering_platforms=("cuda",))` shows what a GPU would run, without one."""
         args = (self.param_leaves, self.kv_caches, self.device_inputs(batch, num_tokens), self.no_prev)
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
-        return jax.jit(lambda *a: self._forward_impl(False, *a)).trace(*shapes)
+        return jax.jit(lambda *a: self._forward_impl(False, False, *a)).trace(*shapes)
 
     def lower_forward(self, batch: RaggedBatch, num_tokens: int) -> Any:
         """The forward of a `num_tokens` bucket lowered for `batch` (to read its HLO; nothing runs)."""
@@ -243,6 +249,9 @@ class ModelRunner:
             hidden_rows, self.kv_caches = self.forward_fn(t)(self.param_leaves, self.kv_caches,
                                                              self.device_inputs(batch, t), self.no_prev)
             jax.block_until_ready(hidden_rows)
+            if self.policy.decode_ops is not None and t <= self.max_num_seqs:  # a step of decodes only fits
+                _, self.kv_caches = self.forward_fn(t, decode_only=True)(
+                    self.param_leaves, self.kv_caches, self.device_inputs(empty_batch(), t), self.no_prev)
         self.sampler.warmup(hidden_rows)
 
     def compile_count(self) -> int:

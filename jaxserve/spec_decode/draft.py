@@ -71,7 +71,8 @@ def _propose_impl(runner: ModelRunner, k: int, t: int, draw: str, param_leaves, 
             slot_mapping=jnp.pad(jnp.where(live, slots[i], 0), (0, t - rows)), cu_q_lens=cu,
             kv_lens=jnp.zeros(n_seq, jnp.int32).at[:rows].set(jnp.where(real, pos + 1, 0)),
             page_table=table, num_seqs=num_seqs, num_decodes=num_seqs)
-        hidden, kv = model(jnp.pad(tok, (0, t - rows)), jnp.pad(pos, (0, t - rows)), kv, meta, runner.ops)
+        hidden, kv = model(jnp.pad(tok, (0, t - rows)), jnp.pad(pos, (0, t - rows)), kv, meta,
+                           runner.policy.ops_for(True))  # decodes only
         new, q = draw(hidden, i)
         return kv, new, tokens.at[i, :rows].set(new), qs.at[i, :rows].set(q.astype(jnp.float32))
 

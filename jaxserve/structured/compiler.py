@@ -30,7 +30,13 @@ from jaxserve.structured.compile_worker import (
 )
 from jaxserve.structured.grammar import CompiledGrammar, compile_grammar, grammar_source, tokenizer_spec
 from jaxserve.structured.grammar_cache import DEFAULT_CACHE_BYTES, GrammarCache
-from jaxserve.structured.limits import DEFAULT_LIMITS, GrammarError, GrammarLimitError, GrammarLimits
+from jaxserve.structured.limits import (
+    DEFAULT_LIMITS,
+    GrammarError,
+    GrammarLimitError,
+    GrammarLimits,
+    llguidance_module,
+)
 
 logger = logging.getLogger("jaxserve.structured")
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
@@ -72,8 +78,9 @@ class GrammarCompiler:
 
     async def start(self) -> None:
         """Start the child processes now (a server calls it at start-up, so that the first grammars do not wait
-        for them); a model without a tokenizer llguidance can use starts none."""
+        for them); without llguidance, or a tokenizer llguidance can use, it starts none."""
         try:
+            llguidance_module()
             idle = self._pool()
         except GrammarError:
             return

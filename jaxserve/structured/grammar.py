@@ -20,11 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-import llguidance
 import numpy as np
-from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
-from llguidance.gbnf_to_lark import any_to_lark
-from llguidance.numpy import fill_next_token_bitmask
 
 from jaxserve.core.sampling_params import StructuredOutputsParams
 from jaxserve.core.tokenizer import ByteTokenizer, HFTokenizer
@@ -39,6 +35,7 @@ from jaxserve.structured.limits import (
     check_regex,
     check_rule_count,
     check_size,
+    llguidance_module,
 )
 
 __all__ = ["CompiledGrammar", "Grammar", "GrammarError", "GrammarLimitError", "compile_grammar", "grammar_source",
@@ -73,15 +70,17 @@ def tokenizer_spec(tokenizer: Any, vocab_size: int) -> dict[str, Any]:
     raise GrammarError("structured outputs need the model's tokenizer")
 
 
-def ll_tokenizer_from(spec: dict[str, Any]) -> LLTokenizer:
+def ll_tokenizer_from(spec: dict[str, Any]) -> Any:
+    """llguidance's LLTokenizer from `tokenizer_spec`'s data."""
+    llg = llguidance_module()
     if spec["kind"] == "bytes":
-        return LLTokenizer(TokenizerWrapper(_ByteVocab(spec["bos"], spec["eos"], spec["vocab"])),
-                           n_vocab=spec["vocab"])
-    return LLTokenizer(spec["json"], n_vocab=spec["vocab"], eos_token=spec["eos"])
+        vocab = _ByteVocab(spec["bos"], spec["eos"], spec["vocab"])
+        return llg.LLTokenizer(llg.TokenizerWrapper(vocab), n_vocab=spec["vocab"])
+    return llg.LLTokenizer(spec["json"], n_vocab=spec["vocab"], eos_token=spec["eos"])
 
 
 @lru_cache(maxsize=8)
-def ll_tokenizer(tokenizer: Any, vocab_size: int) -> LLTokenizer:
+def ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
     """llguidance's view of one of our tokenizers, over the model's whole vocabulary (built once: ~1 s for a
     large BPE vocabulary)."""
     return ll_tokenizer_from(tokenizer_spec(tokenizer, vocab_size))
@@ -94,22 +93,22 @@ def grammar_source(spec: StructuredOutputsParams, limits: GrammarLimits = DEFAUL
         if spec.json is not None:
             schema = check_json_schema(spec.json, limits)
             text = spec.json if isinstance(spec.json, str) else json.dumps(schema)  # declared order: outputs keep it
-            return LLMatcher.grammar_from_json_schema(text, defaults=JSON_DEFAULTS)
+            return llguidance_module().LLMatcher.grammar_from_json_schema(text, defaults=JSON_DEFAULTS)
         if spec.json_object:
-            return LLMatcher.grammar_from_json_schema(ANY_OBJECT, defaults=JSON_DEFAULTS)
+            return llguidance_module().LLMatcher.grammar_from_json_schema(ANY_OBJECT, defaults=JSON_DEFAULTS)
         if spec.regex is not None:
             check_regex(spec.regex, limits)
-            return LLMatcher.grammar_from_regex(spec.regex)
+            return llguidance_module().LLMatcher.grammar_from_regex(spec.regex)
         if spec.choice is not None:
             check_size("".join(spec.choice), limits)
-            return llguidance.grammar_from("choice", list(spec.choice))  # type: ignore[arg-type]
+            return llguidance_module().grammar_from("choice", list(spec.choice))  # type: ignore[arg-type]
         check_rule_count(spec.grammar or "", limits)
         try:
-            lark = any_to_lark(spec.grammar or "")
+            lark = llguidance_module().gbnf_to_lark.any_to_lark(spec.grammar or "")
         except Exception as e:  # the GBNF converter's own errors, RecursionError included
             raise GrammarError(f"the grammar is neither Lark nor GBNF: {type(e).__name__}: {e}") from None
         check_grammar(lark, limits)
-        return LLMatcher.grammar_from_lark(lark)
+        return llguidance_module().LLMatcher.grammar_from_lark(lark)
     except GrammarError as e:
         raise type(e)(_one_line(str(e))) from None
     except ValueError as e:
@@ -125,14 +124,14 @@ class CompiledGrammar:
     """A grammar ready to copy for requests: its matcher has computed its first mask (so its lexer is built
     and shared by the copies); `nbytes` is what compiling it allocated."""
 
-    matcher: LLMatcher
+    matcher: Any  # llguidance's LLMatcher
     nbytes: int
 
 
-def compile_matcher(tok: LLTokenizer, source: str, limits: GrammarLimits) -> LLMatcher:
+def compile_matcher(tok: Any, source: str, limits: GrammarLimits) -> Any:
     """Compile `source` and compute its first mask; raises GrammarError for a grammar that does not compile or
     that no output satisfies (the first mask allows nothing, not even the end)."""
-    m = LLMatcher(tok, source, log_level=0, limits=limits.parser_limits())
+    m = llguidance_module().LLMatcher(tok, source, log_level=0, limits=limits.parser_limits())
     if m.is_error():
         raise GrammarError(_one_line(m.get_error()))
     m.compute_bitmask()
@@ -155,7 +154,7 @@ class Grammar:
     through any loop), then writes the next allowed tokens into a bitmask row. A matcher that fails (a limit
     reached mid-output) sets `error` and allows only the end tokens from then on; the engine fails the request."""
 
-    def __init__(self, matcher: LLMatcher, end_ids: list[int]) -> None:
+    def __init__(self, matcher: Any, end_ids: list[int]) -> None:
         self.matcher = matcher
         self.end_ids = end_ids
         self.consumed = 0
@@ -171,7 +170,7 @@ class Grammar:
         """Allowed next tokens into `row` ([ceil(V/32)] int32), after `output_ids`."""
         self.advance(output_ids)
         if self.error is None:
-            fill_next_token_bitmask(self.matcher, row.reshape(1, -1), 0)
+            llguidance_module().numpy.fill_next_token_bitmask(self.matcher, row.reshape(1, -1), 0)
             if self.matcher.is_error():
                 self.error = _one_line(self.matcher.get_error())[:200]
         if self.error is not None:

@@ -16,13 +16,29 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from llguidance import LLParserLimits
-
 from jaxserve.core.json_depth import json_depth
 
 
 class GrammarError(ValueError):
     """A constraint that does not compile; the message says why (in one line)."""
+
+
+class GrammarUnavailable(GrammarError):
+    """llguidance is not installed (an image with jax preinstalled may lack it): no constraint can compile."""
+
+
+def llguidance_module() -> Any:
+    """The llguidance package, imported when a grammar is first needed: jaxserve starts and serves without it, and
+    refuses structured outputs with `GrammarUnavailable` (a 400 on the server) when it is missing."""
+    try:
+        import llguidance
+        import llguidance.gbnf_to_lark
+        import llguidance.numpy
+    except ImportError:
+        raise GrammarUnavailable("structured outputs (guided_json, guided_regex, response_format, tool_choice "
+                                 "'required' or a named function) need the llguidance package: pip install "
+                                 "llguidance") from None
+    return llguidance
 
 
 class GrammarLimitError(GrammarError):
@@ -42,9 +58,11 @@ class GrammarLimits:
     step_lexer_fuel: int = 100_000  # one mask (about 14k a ms)
     max_lexer_states: int = 20_000  # lexer states one grammar builds over its life: memory
 
-    def parser_limits(self) -> LLParserLimits:
-        return LLParserLimits(initial_lexer_fuel=self.initial_lexer_fuel, step_lexer_fuel=self.step_lexer_fuel,
-                              max_lexer_states=self.max_lexer_states, verbose_errors=False)
+    def parser_limits(self) -> Any:
+        """llguidance's `LLParserLimits` of these limits."""
+        return llguidance_module().LLParserLimits(
+            initial_lexer_fuel=self.initial_lexer_fuel, step_lexer_fuel=self.step_lexer_fuel,
+            max_lexer_states=self.max_lexer_states, verbose_errors=False)
 
 
 DEFAULT_LIMITS = GrammarLimits()
