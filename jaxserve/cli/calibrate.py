@@ -52,6 +52,7 @@ def calibrate_command(out: str, quick: bool, **options) -> None:
     config = config_from_options(options)
     if config.async_scheduling:  # each step is timed around one `step()` call, which overlap would blur
         raise click.UsageError("calibrate times the synchronous engine loop; drop --async-scheduling")
+    config.async_scheduling = False  # unset: not the platform's default either (a GPU's is the overlapped loop)
     t0 = time.monotonic()
     try:
         engine = LLMEngine(config)

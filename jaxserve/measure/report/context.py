@@ -65,8 +65,9 @@ class ReportConfig:
         return (self.long_prompt_len + self.long_decodes + 63) // 64 * 64
 
     def engine_config(self) -> EngineConfig:
+        # The synchronous loop, as calibrate times it and the planner prices it (on any platform).
         return EngineConfig(model=self.model, dtype=self.dtype, seed=self.seed, max_num_seqs=self.max_num_seqs,
-                            quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
+                            async_scheduling=False, quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
                             max_num_batched_tokens=self.budget, chunk_size=self.budget,
                             kv_cache_memory=self.kv_cache_memory,
                             token_buckets=half_octave_ladder(self.budget) if self.token_buckets is None
