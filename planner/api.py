@@ -195,6 +195,7 @@ class PlanRequest:
     kv_dtype: str | None = None
     gpu_memory_utilization: float = 0.9
     num_scheduler_steps: int = 1  # decode steps per dispatch (the runtime's --num-scheduler-steps)
+    async_scheduling: bool = False  # the overlapped loop (the runtime's --async-scheduling; a GPU's default)
     disaggregate: bool = False
     simulate: bool = False
     simulate_requests: int = 600
@@ -247,6 +248,7 @@ class PlanResult:
             "config": {"tp": c.tp, "replicas": c.replicas, "max_num_seqs": c.max_num_seqs,
                        "chunk_size": c.chunk_size, "page_size": c.page_size, "dtype": c.dtype,
                        "kv_dtype": c.kv_dtype or c.dtype, "num_scheduler_steps": c.num_scheduler_steps,
+                       "async_scheduling": c.async_scheduling,
                        "scheduler": c.scheduler, "moe_kernels": self.request.moe_kernels},
             "workload": {"input_len": self.request.input_len, "output_len": self.request.output_len,
                          "spread": self.request.spread, "prefix_hit": self.request.prefix_hit,
@@ -313,7 +315,7 @@ def plan(req: PlanRequest) -> PlanResult:
                    chunk_size=req.chunk_size, page_size=req.page_size, dtype=req.dtype, kv_dtype=req.kv_dtype,
                    gpu_memory_utilization=req.gpu_memory_utilization, ttft_slo_ms=req.ttft_slo_ms,
                    tpot_slo_ms=req.tpot_slo_ms, num_scheduler_steps=req.num_scheduler_steps,
-                   scheduler=req.scheduler)
+                   scheduler=req.scheduler, async_scheduling=req.async_scheduling)
     best = cands[0]
     result = PlanResult(request=req, spec=spec, hardware=hw, best=best, candidates=cands)
     if not best.prediction.stable:

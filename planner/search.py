@@ -74,7 +74,8 @@ def search(spec: ModelSpec, hw: Hardware, workload: Workload, num_devices: int, 
            max_num_seqs: int | None = None, chunk_size: int | None = None, page_size: int = 16,
            dtype: str = "bf16", kv_dtype: str | None = None, gpu_memory_utilization: float = 0.9,
            ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None,
-           num_scheduler_steps: int = 1, scheduler: str = "mixed") -> list[Candidate]:
+           num_scheduler_steps: int = 1, scheduler: str = "mixed",
+           async_scheduling: bool = False) -> list[Candidate]:
     """Evaluate configurations and return them best first (coordinate search: seqs, then chunk).
 
     Raises `ConfigError` for a TP that cannot work and `DoesNotFitError` if no configuration fits.
@@ -98,7 +99,7 @@ def search(spec: ModelSpec, hw: Hardware, workload: Workload, num_devices: int, 
         cfg = ServingConfig(tp=t, replicas=num_devices // t, max_num_seqs=seqs, chunk_size=chunk,
                             page_size=page_size, dtype=dtype, kv_dtype=kv_dtype,
                             gpu_memory_utilization=gpu_memory_utilization, num_scheduler_steps=num_scheduler_steps,
-                            scheduler=scheduler)
+                            scheduler=scheduler, async_scheduling=async_scheduling)
         try:
             pred = predict_serving(spec, hw, workload, cfg, ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms)
         except DoesNotFitError as e:

@@ -313,12 +313,14 @@ def _reported_steps(m: StepCosts, b: float) -> tuple[StepTime, StepTime]:
     """The decode step at batch `b` and the step carrying a prompt's (first) chunk beside those decodes."""
     cfg, spec, hw = m.cfg, m.spec, m.hw
     dec = step_time_shape(spec, hw, decode_shape(max(1, round(b)), m.ctx), tp=cfg.tp, dtype=cfg.dtype,
-                          kv_dtype=cfg.kv_dtype, steps_per_dispatch=cfg.num_scheduler_steps)
+                          kv_dtype=cfg.kv_dtype, steps_per_dispatch=cfg.num_scheduler_steps,
+                          overlapped=cfg.async_scheduling)
     q = min(m.budget(b), round(m.wl.computed_input))
     chunk_shape = prefill_shape(q, m.prefix)
     if round(b):
         chunk_shape = decode_shape(round(b), m.ctx) + chunk_shape
-    return dec, step_time_shape(spec, hw, chunk_shape, tp=cfg.tp, dtype=cfg.dtype, kv_dtype=cfg.kv_dtype)
+    return dec, step_time_shape(spec, hw, chunk_shape, tp=cfg.tp, dtype=cfg.dtype, kv_dtype=cfg.kv_dtype,
+                                overlapped=cfg.async_scheduling)
 
 
 def _samples(m: StepCosts, st: _State, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

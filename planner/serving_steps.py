@@ -95,4 +95,5 @@ class StepCosts:
         return step_time_shape(self.spec, self.hw, shape, tp=self.cfg.tp, dtype=self.cfg.dtype,
                                kv_dtype=self.cfg.kv_dtype,
                                padded_tokens=pad_tokens(shape.num_tokens, self.cfg.token_buckets),
-                               steps_per_dispatch=self.cfg.num_scheduler_steps).total_s
+                               steps_per_dispatch=self.cfg.num_scheduler_steps,
+                               overlapped=self.cfg.async_scheduling).total_s

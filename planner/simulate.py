@@ -145,7 +145,8 @@ def simulate(spec: ModelSpec, hw: Hardware, workload: Workload, config: ServingC
             shape = shape + prefill_shape(n, q.start + q.computed)
         dt = step_time_shape(spec, hw, shape, tp=config.tp, dtype=config.dtype, kv_dtype=config.kv_dtype,
                              padded_tokens=pad_tokens(shape.num_tokens, config.token_buckets),
-                             steps_per_dispatch=config.num_scheduler_steps).total_s
+                             steps_per_dispatch=config.num_scheduler_steps,
+                             overlapped=config.async_scheduling).total_s
         now += dt
         steps += 1
         batch_sum += len(decodes)

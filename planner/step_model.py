@@ -280,12 +280,14 @@ def prefill_rows(shape: StepShape, padded_tokens: int = 0) -> float:
 
 def time_ops(ops: Sequence[OpCost], spec: ModelSpec, shape: StepShape, hw: Hardware, *, tp: int = 1,
              dtype: str = "bf16", coefficients: Coefficients | None = None, steps_per_dispatch: int = 1,
-             padded_tokens: int = 0) -> StepTime:
+             padded_tokens: int = 0, overlapped: bool = False) -> StepTime:
     """Combine operation costs into a step time with `coefficients` (default: the hardware's).
 
     A decode-only step run `steps_per_dispatch` at a time (`--num-scheduler-steps`) pays its share of one
-    dispatch's host overhead (`dispatch_overhead_s`) instead of a whole one. `padded_tokens`: the bucket the
-    step runs at (`ops` already counted at it); the per-token overhead is paid on its padded prefill rows."""
+    dispatch's host overhead (`dispatch_overhead_s`) instead of a whole one. `overlapped` (the overlapped loop,
+    `--async-scheduling`): a step's host overhead runs beside the previous step's device work, so a step takes the
+    longer of the two rather than their sum. `padded_tokens`: the bucket the step runs at (`ops` already counted at
+    it); the per-token overhead is paid on its padded prefill rows."""
     c = coefficients or hw.coefficients
     peak = hw.peak(dtype)
     compute = weight = kv = comm = ideal_comm = 0.0
@@ -325,6 +327,9 @@ def time_ops(ops: Sequence[OpCost], spec: ModelSpec, shape: StepShape, hw: Hardw
                 + prefill_rows(shape, padded_tokens) * c.prefill_token_overhead_s)
     roofline = max(flops / peak, nbytes / hw.memory_bw) + ideal_comm
     total = compute + weight + kv + comm + overhead
+    if overlapped:
+        host = c.dispatch_overhead_s
+        total = max(total - host, host)
     return StepTime(total_s=total, compute_s=compute, weight_s=weight, kv_s=kv, comm_s=comm, overhead_s=overhead,
                     roofline_s=roofline, flops=flops, bytes=nbytes, shape=shape)
 
@@ -350,14 +355,14 @@ def prefill_chunk_tokens(computed: int, owed: int, budget: int, page_size: int =
 
 def step_time_shape(spec: ModelSpec, hw: Hardware, shape: StepShape, *, tp: int = 1, dtype: str = "bf16",
                     kv_dtype: str | None = None, coefficients: Coefficients | None = None,
-                    padded_tokens: int = 0, steps_per_dispatch: int = 1) -> StepTime:
+                    padded_tokens: int = 0, steps_per_dispatch: int = 1, overlapped: bool = False) -> StepTime:
     """Step time for an aggregated `StepShape` (what the serving model and the simulator call); a decode-only
-    step with `steps_per_dispatch` > 1 is one of that many run in one dispatch."""
+    step with `steps_per_dispatch` > 1 is one of that many run in one dispatch; `overlapped` as in `time_ops`."""
     if shape.num_tokens <= 0:
         return StepTime(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, shape)
     ops = op_costs(spec, shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype, padded_tokens=padded_tokens)
     return time_ops(ops, spec, shape, hw, tp=tp, dtype=dtype, coefficients=coefficients,
-                    steps_per_dispatch=steps_per_dispatch, padded_tokens=padded_tokens)
+                    steps_per_dispatch=steps_per_dispatch, padded_tokens=padded_tokens, overlapped=overlapped)
 
 
 def step_time(spec: ModelSpec, hw: Hardware, decode_context_lens: Iterable[int] = (),

@@ -66,6 +66,7 @@ class ServingConfig:
     gpu_memory_utilization: float = 0.9
     token_buckets: tuple[int, ...] = ()  # the runtime's token padding ladder; () = no padding
     num_scheduler_steps: int = 1  # decode steps per dispatch while every running request decodes
+    async_scheduling: bool = False  # the overlapped loop: each step's host work beside the previous step's device
     # How a step mixes work (SCHEDULERS): "mixed" carries every running decode and then prefill chunks within the
     # budget (vLLM V1, vLLM V0 with chunked prefill, TensorRT-LLM's in-flight batching, jaxserve); "prefill-first"
     # runs waiting prompts in steps of their own while the decodes wait (vLLM V0 without chunked prefill,

@@ -213,3 +213,21 @@ def test_a_padded_moe_step_prices_its_real_tokens_experts_in_its_buckets_tiles()
     assert expected_tiles(5, 2, 8, padded_tokens=6) == pytest.approx(expected_experts(8, 2, 5))
     assert experts(192).weight_bytes == pytest.approx(expected_experts(8, 2, 130) * 3 * mix.hidden_size
                                                       * mix.moe_intermediate_size * 2)
+
+
+def test_the_overlapped_loop_hides_each_steps_host_work_behind_the_device():
+    """With --async-scheduling a step takes the longer of its host work and its device work, not their sum."""
+    import dataclasses as dc
+
+    from modelspec.spec import load_model_spec
+    from planner.hardware import load_hardware
+    from planner.step_model import decode_shape, step_time_shape
+
+    spec, hw = load_model_spec("llama-3.1-8b"), load_hardware("h200")
+    c = dc.replace(hw.coefficients, dispatch_overhead_s=400e-6)
+    shape = decode_shape(8, 1024)
+    sync = step_time_shape(spec, hw, shape, coefficients=c).total_s
+    overlapped = step_time_shape(spec, hw, shape, coefficients=c, overlapped=True).total_s
+    assert overlapped == pytest.approx(sync - 400e-6)
+    tiny_device = dc.replace(c, dispatch_overhead_s=10.0)  # host work longer than the whole step: it sets the pace
+    assert step_time_shape(spec, hw, shape, coefficients=tiny_device, overlapped=True).total_s == pytest.approx(10.0)

@@ -70,6 +70,9 @@ def _positive(name: str, value: float | None) -> None:
               help="Fraction of device memory for weights + workspace + KV.")
 @click.option("--num-scheduler-steps", default=1, show_default=True, type=int,
               help="Decode steps per dispatch (the runtime's flag): the host overhead is paid once per dispatch.")
+@click.option("--async-scheduling", is_flag=True,
+              help="The overlapped loop (the runtime's flag; a GPU's default): each step's host work runs beside the "
+                   "previous step's device work.")
 @click.option("--speculative-k", type=int, default=None,
               help="Speculative decoding: drafts verified per step; TPOT at the plan's decode batch (--acceptance).")
 @click.option("--acceptance", type=float, default=None, help="Probability that a draft token is accepted, in [0, 1].")
@@ -85,7 +88,7 @@ def plan(model: str, hardware: str, num_devices: int | None, input_len: int, out
          num_prompts: int | None, scheduler: str, moe_kernels: str, ttft_slo_ms: float | None,
          tpot_slo_ms: float | None, tp: int | None, max_num_seqs: int | None, chunk_size: int | None,
          page_size: int, dtype: str, kv_dtype: str | None, quantization: str | None, kv_cache_dtype: str,
-         gpu_memory_utilization: float, num_scheduler_steps: int, speculative_k: int | None,
+         gpu_memory_utilization: float, num_scheduler_steps: int, async_scheduling: bool, speculative_k: int | None,
          acceptance: float | None, speculative_method: str,
          draft_model: str | None, disaggregate: bool,
          simulate: bool, as_json: bool, top: int) -> None:
@@ -120,7 +123,8 @@ def plan(model: str, hardware: str, num_devices: int | None, input_len: int, out
                       moe_kernels=moe_kernels, ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms, tp=tp,
                       max_num_seqs=max_num_seqs, chunk_size=chunk_size, page_size=page_size, dtype=dtype,
                       kv_dtype=kv_dtype, gpu_memory_utilization=gpu_memory_utilization,
-                      num_scheduler_steps=num_scheduler_steps, speculative_k=speculative_k, acceptance=acceptance,
+                      num_scheduler_steps=num_scheduler_steps, async_scheduling=async_scheduling,
+                      speculative_k=speculative_k, acceptance=acceptance,
                       speculative_method=speculative_method, draft_model=draft_model, disaggregate=disaggregate,
                       simulate=simulate)
     try:
