@@ -29,7 +29,7 @@ def test_json_has_the_promised_keys(capsys):
     j = json.loads(out)
     assert {"model", "hardware", "num_devices", "config", "predicted", "disaggregated", "candidates"} <= set(j)
     assert set(j["config"]) == {"tp", "replicas", "max_num_seqs", "chunk_size", "page_size", "dtype", "kv_dtype",
-                                 "num_scheduler_steps", "scheduler", "moe_kernels"}
+                                 "num_scheduler_steps", "async_scheduling", "scheduler", "moe_kernels"}
     p = j["predicted"]
     for key in ("ttft_ms", "tpot_ms", "itl_ms"):
         assert set(p[key]) == {"mean", "p50", "p90", "p99"}
