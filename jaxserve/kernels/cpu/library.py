@@ -1,7 +1,7 @@
 """jaxserve's C++ CPU kernels: built once per machine into one library, loaded and registered with XLA.
 
-`attention.cc` (paged attention, `cpu_attention.py`) and `matmul.cc` (matmuls of a few rows,
-`cpu_matmul.py`) replace XLA's CPU code where it runs far below the machine's floors. They are compiled with the
+`attention.cc` (paged attention, `attention.py`) and `matmul.cc` (matmuls of a few rows,
+`matmul.py`) replace XLA's CPU code where it runs far below the machine's floors. They are compiled with the
 machine's C++ compiler on first use (a few seconds) into `~/.cache/jaxserve/kernels`, keyed by the sources, the
 flags, the compiler, jaxlib and the CPU, because they are built for this CPU's instruction set. Where no compiler
 works, `available()` warns once and the model keeps XLA's code.
