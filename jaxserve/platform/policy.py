@@ -11,7 +11,7 @@
 - whether the engine overlaps the host with the device by default (`--async-scheduling` unset): on an accelerator,
   yes (its steps hold no host round trip, so the host can run ahead); on a CPU, no (host and XLA share the cores);
 - the smallest token bucket: on a GPU a step of fewer than 8 rows pads to 8, since XLA lowered one-row projections
-  to reduce fusions at well below the bandwidth eight rows reach (../shared/measurements/gpu-2026-12-04).
+  to reduce fusions at well below the bandwidth eight rows reach (docs/results.md, the GPU run of 2026-12-04).
 
 Nothing on the step path looks at the platform again: the loops, the runner, the sampler and the model read the
 policy's fields. `platform` is kept for logs, /version and the measurement tools.

@@ -1,7 +1,7 @@
 """Split-KV (flash-decoding) attention for the decode rows of a ragged step, in Pallas (the Triton flavour).
 
 `ragged_paged_attention` gives one decode one program per KV head: 8 programs on an H200's 132 SMs for a 1B
-model, so one 1k-context decode reads its 2 MB of KV a layer at ~60 GB/s (../shared/measurements/gpu-2026-12-04).
+model, so one long decode reads its KV far below the memory's bandwidth (docs/results.md, the GPU run of 2026-12-04).
 Here a decode's KV blocks are also split across programs: the grid is (KV head, decode, split); each program runs
 an online softmax over its share of the decode's blocks and writes a partial (running max m, sum l, unnormalised
 accumulator acc, all float32, base-2 logits), and a second pass in jnp (one small XLA fusion) merges the splits:
