@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import gc
 
-from scripts.gpu_parts import trace_parse
-from scripts.gpu_parts.common import Part, build_llm, engine_args, hardware_name, tpot_ms, trace_steps
-
 from jaxserve.model.dtypes import planner_dtype, resolve_dtype
 from modelspec.memory import weight_bytes_per_device
 from modelspec.spec import PRESETS
 from planner.hardware import load_hardware
+from scripts.gpu_parts import trace_parse
+from scripts.gpu_parts.common import Part, build_llm, engine_args, hardware_name, tpot_ms, trace_steps
 
 ATTENTION = r"attention|split_kv"
 TARGETS = {("default", 1): 0.9, ("default", 8): 1.0, ("k1", 1): 1.3}
@@ -48,8 +47,6 @@ def loop_run(part: Part, loop: str, overrides: dict, trace_batches: tuple[int, .
             us = trace_parse.kernel_us(t, ATTENTION) / layers
             part.figure(f"decode attention a layer, {b} x ~{s.prompt_len} context", us, "us", "<=",
                         ATTENTION_TARGETS.get(b, 10.0), "41")
-    del llm
-    gc.collect()
 
 
 def main() -> None:
@@ -61,6 +58,7 @@ def main() -> None:
         spec, planner_dtype(resolve_dtype(s.dtype))) / hw.memory_bw
     part.record["results"]["hardware"] = hw.name
     loop_run(part, "default", {}, s.batches)
+    gc.collect()  # the default loop's engine and its KV pool go before the next one is built
     loop_run(part, "k1", {"async_scheduling": False, "num_scheduler_steps": 1}, s.batches[:1])
     part.finish()
 
