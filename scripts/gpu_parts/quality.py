@@ -61,7 +61,8 @@ def main() -> None:
     if s.eval_chars:  # the smoke run: the opening of the held-out text
         data = str(part.out / "quality_eval.txt")
         Path(data).write_text(text[: s.eval_chars])
-    waiting = list(MODES)
+    modes = MODES[: s.quality_modes]
+    waiting = list(modes)
     procs: dict[str, subprocess.Popen] = {}
 
     def start(n: int) -> None:  # keep up to `n` perplexity processes running
@@ -72,7 +73,7 @@ def main() -> None:
 
     start(s.eval_jobs)
     greedy: dict[str, list[list[int]]] = {}
-    for label, flags in MODES:
+    for label, flags in modes:
         def run(label=label, flags=flags) -> dict:
             t = time.perf_counter()
             llm = LLM(**engine_flags(part, flags))
@@ -91,7 +92,7 @@ def main() -> None:
             part.figure(f"greedy agreement with bf16, {label} (positions before the first divergence)",
                         before / total, "", None, None, "42")
     ppl = {}
-    for label, _ in MODES:
+    for label, _ in modes:
         while label not in procs and part.left() > 0:  # one at a time: start the next when one ends
             start(s.eval_jobs)
             time.sleep(0.2)
@@ -104,7 +105,7 @@ def main() -> None:
             proc.kill()
         if r is not None:
             ppl[label] = r["perplexity"]
-    for label, _ in MODES[1:]:
+    for label, _ in modes[1:]:
         value = ppl[label] / ppl["bf16"] if label in ppl and "bf16" in ppl else None
         part.figure(f"bard perplexity, {label} / bf16", value, "x", "<=", 1.01, "42")
     part.finish()

@@ -31,7 +31,7 @@ def one(part: Part, mode: str, quantization: str | None) -> dict:
 def main() -> None:
     part = Part("report", __doc__.splitlines()[0], 100)
     need = 10.0
-    for mode, quantization in MODES:
+    for mode, quantization in MODES[: part.sizes.report_modes]:
         r = part.run(f"report {mode}", lambda m=mode, q=quantization: one(part, m, q), need_s=need)
         if r is None:
             continue

@@ -44,8 +44,8 @@ def loop_run(part: Part, loop: str, overrides: dict, trace_batches: tuple[int, .
         part.figure(f"host round trips a step, {loop} loop, {b} request(s)", t["host_round_trips_per_step"], "",
                     "==", 0, "41")
         if loop == "default":
-            us = trace_parse.kernel_us(t, ATTENTION) / layers
-            part.figure(f"decode attention a layer, {b} x ~{s.prompt_len} context", us, "us", "<=",
+            us = trace_parse.kernel_us(t, ATTENTION)
+            part.figure(f"decode attention a layer, {b} x ~{s.prompt_len} context", us and us / layers, "us", "<=",
                         ATTENTION_TARGETS.get(b, 10.0), "41")
 
 

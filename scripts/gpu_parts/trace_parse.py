@@ -92,9 +92,11 @@ def summarize_file(path: str | Path, steps: int, top: int = 12) -> dict[str, Any
     return summarize(load_events(path), steps, top)
 
 
-def kernel_us(summary: dict[str, Any], pattern: str) -> float:
-    """Microseconds a step of the top kernels whose name matches `pattern` (a regular expression)."""
-    return sum(k["us_per_step"] for k in summary["top_kernels"] if re.search(pattern, k["name"]))
+def kernel_us(summary: dict[str, Any], pattern: str) -> float | None:
+    """Microseconds a step of the top kernels whose name matches `pattern` (a regular expression); None when
+    none does (a CPU trace names its custom calls `ffi_call.N`)."""
+    found = [k["us_per_step"] for k in summary["top_kernels"] if re.search(pattern, k["name"])]
+    return sum(found) if found else None
 
 
 def render(summary: dict[str, Any], label: str) -> list[str]:
