@@ -64,7 +64,8 @@ class Sizes:
 SMOKE = Sizes(model="tiny", big_model="tiny", dtype="float32", prompt_len=40, new_tokens=6, reps=1, trace_steps=3,
               batches=(1, 4), step_budget=64, long_prompt=255, long_context=120, kv_bytes=8 * 2**20,
               max_model_len=256, spec_prompt=48, spec_tokens=12, quality_dtype="float32", eval_chars=600,
-              eval_max_len=48, eval_batched_tokens=64, eval_jobs=1, quality_modes=2, report_modes=1, greedy_prompts=2, greedy_tokens=6)
+              eval_max_len=48, eval_batched_tokens=64, eval_jobs=1, quality_modes=2, report_modes=1,
+              greedy_prompts=2, greedy_tokens=6)
 
 
 def engine_args(sizes: Sizes, model: str | None = None, **overrides: Any) -> dict[str, Any]:
