@@ -35,10 +35,14 @@ GRACE_S = 8.0  # a part stops starting measurements this long before its hard li
 OPTIONAL = ("tokenizers", "llguidance", "fastapi", "matplotlib")
 
 
-def run_part(name: str, out: Path, allowed: float, smoke: bool) -> dict[str, Any]:
-    """Run one part's process for at most `allowed` seconds, its lines printed and kept in OUT/NAME.log."""
+def part_command(name: str, out: Path, allowed: float, smoke: bool) -> list[str]:
     cmd = [sys.executable, "-m", f"scripts.gpu_parts.{name}", str(out), "--budget-s", f"{allowed - GRACE_S:.0f}"]
-    cmd += ["--smoke"] if smoke else []
+    return cmd + (["--smoke"] if smoke else [])
+
+
+def run_part(name: str, cmd: list[str], out: Path, allowed: float) -> dict[str, Any]:
+    """Run one part's process for at most `allowed` seconds (then kill its process group: "cut"), its lines
+    printed and kept in OUT/NAME.log; its record is what it wrote to OUT/NAME.json."""
     t = time.perf_counter()
     log = (out / f"{name}.log").open("w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -142,7 +146,7 @@ def main() -> None:
         if allowed < 2 * GRACE_S:
             results[name] = {"status": "not run: no time left", "record": {}}
             continue
-        results[name] = run_part(name, out, allowed, args.smoke)
+        results[name] = run_part(name, part_command(name, out, allowed, args.smoke), out, allowed)
         print(f"[gpu_all {time.perf_counter() - t0:6.1f} s] part {name}: {results[name]['status']} in "
               f"{results[name]['seconds']:.0f} s", flush=True)
     summary = summarize(results, args, time.perf_counter() - t0, {n: i for n, i, *_ in chosen})
