@@ -34,10 +34,10 @@ def budget_report_config(model: str = "synthetic-1b", dtype: str = "bfloat16", q
     """The calibrate + report run that fits the GPU check's budget (`scripts/gpu_parts/report.py`): about 40 s
     a run on one H200, two runs (bf16, fp8) in the check; `smoke`: `tiny`'s quick report on a CPU."""
     if smoke:
+        calibration = dataclasses.replace(CalibrationConfig.quick(), prefill_lens=(16, 32), decode_contexts=(16,),
+                                          mixed_small_chunks=(16,), gemm_rows=(1, 16), dispatch_tokens=5)
         return dataclasses.replace(ReportConfig.quick_config("tiny"), dtype=dtype, quantization=quantization,
-                                   load_fractions=(0.5,), calibration=dataclasses.replace(
-                                       CalibrationConfig.quick(), prefill_lens=(16, 32), decode_contexts=(16,),
-                                       mixed_small_chunks=(16,), gemm_rows=(1, 16), dispatch_tokens=5))
+                                   load_fractions=(0.5,), token_buckets=(4, 16, 64, 192), calibration=calibration)
     return ReportConfig(
         model=model, dtype=dtype, quantization=quantization, max_num_seqs=16, batch_sizes=(1, 16),
         context_lens=(512,), grid_output_len=32, load_input_len=256, load_output_len=32, load_num_prompts=48,

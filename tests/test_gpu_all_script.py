@@ -26,9 +26,10 @@ def test_the_gpu_check_runs_every_part_and_summarizes_the_figures_on_a_cpu(tmp_p
         assert record["part"] == name and record["results"], name
         assert (tmp_path / f"{name}.log").read_text(), name
         assert "[gpu_all" in run.stdout and f"part {name}: ok" in run.stdout
-    figures = {f["name"]: f for p in summary["parts"].values() for f in p["figures"]}
-    assert summary["figures_met"] + summary["figures_missed"] + sum(f["target"] == "reported" for f in
-                                                                    figures.values()) == len(figures)
+    figures = [f for p in summary["parts"].values() for f in p["figures"]]
+    for f in figures:  # judged against its target unless unmeasured (no kernel named so on a CPU) or only reported
+        assert (f["met"] is None) == (f["value"] is None or f["target"] == "reported"), f
+    assert summary["figures_met"] == sum(f["met"] is True for f in figures) > 0
     # the step part traced both loops and read host round trips and copies from its traces
     step = json.loads((tmp_path / "step.json").read_text())["results"]
     for key in ("default trace b1", "default trace b4", "k1 trace b1"):

@@ -29,7 +29,8 @@ def engine_flags(part: Part, flags: list[str]) -> dict:
     """A mode's CLI flags as `LLM(...)` arguments."""
     s = part.sizes
     args = {"model": s.quality_model, "dtype": s.quality_dtype, "kv_cache_memory": KV_BYTES, "max_num_seqs": 8,
-            "max_num_batched_tokens": s.eval_batched_tokens}
+            "max_num_batched_tokens": s.eval_batched_tokens, "token_buckets": (8, s.eval_batched_tokens),
+            "seq_buckets": (1, 8)}  # two buckets: the prompts' step and the decodes' (fewer compiles)
     for name, value in zip(flags[::2], flags[1::2], strict=True):
         args[name.lstrip("-").replace("-", "_")] = value
     return args
