@@ -32,6 +32,9 @@ def main() -> None:
             for line in trace_parse.render(t, f"{s.big_model}, {batch} requests"):
                 part.log(line)
             part.figure(f"{s.big_model} traced step, {batch} requests", t["step_us"] / 1e3, "ms", "<=", 4.5, "41")
+            part.figure(f"{s.big_model} device busy a step, {batch} requests (weight-read floor "
+                        f"{part.record['results']['weight_floor_ms']:.2f} ms)", t["busy_us"] / 1e3, "ms", None, None,
+                        "41")
     part.finish()
 
 

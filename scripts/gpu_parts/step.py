@@ -34,6 +34,10 @@ def loop_run(part: Part, loop: str, overrides: dict, trace_batches: tuple[int, .
         r = part.run(f"{loop} tpot b{b}", lambda b=b: tpot_ms(llm, b, s), need_s=10)
         if (loop, b) in TARGETS:
             part.figure(f"TPOT, {loop} loop, {b} request(s)", r and r["tpot_ms"], "ms", "<=", TARGETS[loop, b], "41")
+        if (loop, b) == ("default", 1):
+            floor = part.record["results"]["weight_floor_ms"]
+            part.figure("TPOT over the weight-read floor, default loop, 1 request", r and r["tpot_ms"] / floor, "x",
+                        "<=", 1.75, "41")
     for b in trace_batches:
         t = part.run(f"{loop} trace b{b}", lambda b=b: trace_steps(llm.engine, b, s, part.out, f"{loop}_b{b}"),
                      need_s=10)
@@ -43,6 +47,8 @@ def loop_run(part: Part, loop: str, overrides: dict, trace_batches: tuple[int, .
             part.log(line)
         part.figure(f"host round trips a step, {loop} loop, {b} request(s)", t["host_round_trips_per_step"], "",
                     "==", 0, "41")
+        part.figure(f"device busy / traced step, {loop} loop, {b} request(s)", t["busy_us"] / max(t["step_us"], 1e-9),
+                    "", None, None, "41")
         if loop == "default":
             us = trace_parse.kernel_us(t, ATTENTION)
             part.figure(f"decode attention a layer, {b} x ~{s.prompt_len} context", us and us / layers, "us", "<=",
