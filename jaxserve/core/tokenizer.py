@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from modelspec.spec import PRESETS, ModelSpec, resolve_model_path
@@ -127,6 +126,8 @@ class HFTokenizer(Tokenizer):
     """A `tokenizer.json` through the `tokenizers` library, chat template from the folder's config."""
 
     def __init__(self, folder: str | Path, spec: ModelSpec | None = None):
+        import tokenizers  # only checkpoints with a tokenizer.json need it (a bare GPU image may lack it)
+
         folder = Path(folder)
         try:
             self._tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
