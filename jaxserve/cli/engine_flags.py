@@ -12,9 +12,7 @@ from typing import Any
 
 import click
 
-from jaxserve.config.engine import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
-from jaxserve.engine.factory import create_engine
-from jaxserve.model.dtypes import RUNTIME_DTYPES
+from jaxserve.config.engine import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, RUNTIME_DTYPES, EngineConfig
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -143,6 +141,8 @@ def config_from_options(options: dict[str, Any], **overrides: Any) -> EngineConf
 
 def build_engine(config: EngineConfig, *, announce: bool = True):
     """The engine the flags ask for (colocated, disaggregated or multi-host); a bad config is a UsageError."""
+    from jaxserve.engine.factory import create_engine  # JAX loads here, not for --help
+
     t0 = time.monotonic()
     try:
         engine = create_engine(config)

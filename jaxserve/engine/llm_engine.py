@@ -60,8 +60,15 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.clock = clock
+        log.info("loading model %s", config.model)
         self.spec = load_model_spec(config.model)
-        self.tokenizer = load_tokenizer(config.model, self.spec)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model, self.spec)
+        if config.tokenizer and self.tokenizer is None:
+            raise ValueError(f"--tokenizer {config.tokenizer}: no tokenizer.json there")
+        if config.chat_template is not None:
+            if self.tokenizer is None:
+                raise ValueError(f"--chat-template: model {config.model} has no tokenizer to template with")
+            self.tokenizer.chat_template = config.chat_template
         built = build_model_and_cache(config, self.spec)
         self.max_model_len = built.max_model_len
         self.num_pages = built.num_pages

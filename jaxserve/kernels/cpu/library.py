@@ -22,6 +22,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import jax
@@ -86,12 +87,16 @@ def build(cache_dir: Path = CACHE_DIR, variant: str = "native") -> Path:
     if lib.exists():
         return lib
     cache_dir.mkdir(parents=True, exist_ok=True)
+    task = "building jaxserve's C++ CPU kernels (once per machine)"
+    logger.info("%s with %s into %s", task, cxx, cache_dir, extra={"progress": (task, 0, 1)})  # core.progress.step
+    t0 = time.monotonic()
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
     os.close(fd)
     try:
         subprocess.run([cxx, *flags, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp],
                        capture_output=True, text=True, check=True)
         os.replace(tmp, lib)  # atomic: concurrent builders (test workers) each publish a whole library
+        logger.info("%s: built in %.1f s", task, time.monotonic() - t0, extra={"progress": (task, 1, 1)})
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
