@@ -5,6 +5,7 @@ Names follow `vllm serve`; they map one-to-one onto `EngineConfig` fields.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Callable
@@ -56,8 +57,9 @@ _OPTIONS = [
                  type=click.IntRange(min=1), help="Largest prefill chunk of one request per step."),
     click.option("--block-size", "page_size", default=EngineConfig.page_size, show_default=True,
                  type=click.IntRange(min=1), help="Tokens per KV page."),
-    click.option("--kv-cache-memory", type=_Bytes(), default=None,
-                 help="KV pool bytes per device (e.g. 512MiB); default: a fraction of GPU memory, 1 GiB on CPU."),
+    click.option("--kv-cache-memory", "--kv-cache-memory-bytes", "kv_cache_memory", type=_Bytes(), default=None,
+                 help="KV pool bytes per device (e.g. 512MiB; vLLM's --kv-cache-memory-bytes); default: a fraction "
+                      "of GPU memory, 1 GiB on CPU."),
     click.option("--gpu-memory-utilization", default=0.9, show_default=True, type=click.FloatRange(0, 1)),
     click.option("--max-model-len", type=click.IntRange(min=1), default=None),
     click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True),
@@ -141,9 +143,14 @@ def config_from_options(options: dict[str, Any], **overrides: Any) -> EngineConf
 
 def build_engine(config: EngineConfig, *, announce: bool = True):
     """The engine the flags ask for (colocated, disaggregated or multi-host); a bad config is a UsageError."""
+    from jaxserve.cli.log_setup import setup_logging
+
+    setup_logging()
+    logging.getLogger("jaxserve").info("loading JAX and building the engine for %s (a first start on this machine "
+                                       "also builds kernels and compiles: a minute or two)", config.model)
+    t0 = time.monotonic()
     from jaxserve.engine.factory import create_engine  # JAX loads here, not for --help
 
-    t0 = time.monotonic()
     try:
         engine = create_engine(config)
     except ValueError as e:

@@ -62,3 +62,34 @@ def setup_logging(level: int = logging.INFO, *, terminal: bool | None = None) ->
     root.setLevel(logging.WARNING)
     logging.getLogger("jaxserve").setLevel(level)
     return handler
+
+
+class JobProgress:
+    """n of m parts of a job (requests of a benchmark): a live bar in a terminal, a line at each tenth otherwise.
+    Use as a context manager; call `update(done)` from the thread that runs the job."""
+
+    def __init__(self, task: str, total: int, *, terminal: bool | None = None) -> None:
+        self.task, self.total = task, total
+        self.terminal = sys.stderr.isatty() if terminal is None else terminal
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            console=Console(stderr=True), transient=True) if self.terminal else None
+        self.shown = 0  # tenths already printed (plain lines)
+
+    def __enter__(self) -> JobProgress:
+        if self.bar is not None:
+            self.bar.start()
+            self.id = self.bar.add_task(self.task, total=self.total)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def update(self, done: int) -> None:
+        if self.bar is not None:
+            self.bar.update(self.id, completed=done)
+            return
+        tenths = done * 10 // max(self.total, 1)
+        if tenths > self.shown:
+            self.shown = tenths
+            print(f"{self.task}: {done} of {self.total}", file=sys.stderr, flush=True)
