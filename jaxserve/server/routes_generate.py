@@ -98,6 +98,8 @@ async def generate(ctx: ServerContext, request: Request, model: type, prefix: st
         req_id = new_request_id(prefix)
         many_tools = len(getattr(req, "tools", None) or ()) > MANY_TOOLS
         subs = await offload(big or many_tools, make_subs, req_id, req)
+        if subs:
+            ctx.metrics.on_request_params(req.n, subs[0].params.max_tokens or 0)
         await gen.compile_constraints(subs, req)
         if req.stream:
             opts = req.stream_options
