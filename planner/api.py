@@ -326,10 +326,14 @@ def plan(req: PlanRequest) -> PlanResult:
         raise ValueError("--num-devices must be positive")
     check_context(spec, req.input_len, req.output_len, req.spread)
     wl = req.workload()
+    tokens = longest_request(req.input_len, req.output_len, req.spread)
     try:
         cands = _search(req, spec, hw, wl)
+        mem = cands[0].prediction.memory
+        if mem.max_concurrency(tokens) < 1:
+            raise DoesNotFitError(f"one request of {tokens} tokens does not fit the KV cache of {spec.name} on "
+                                  f"{req.num_devices} x {hw.name} ({mem.kv_capacity_tokens:,} tokens)")
     except DoesNotFitError as e:
-        tokens = longest_request(req.input_len, req.output_len, req.spread)
         ways = what_would_fit(spec, hw, req.num_devices, req.dtype, req.kv_dtype, tokens, req.gpu_memory_utilization)
         advice = f"; would fit: {'; or '.join(ways)}" if ways else ""
         raise DoesNotFitError(f"{str(e).splitlines()[0]}{advice}") from None

@@ -51,7 +51,7 @@ def what_would_fit(spec: ModelSpec, hw: Hardware, num_devices: int, dtype: str, 
         if dtype not in SMALLER_WEIGHTS[SMALLER_WEIGHTS.index(small):] and fits(
                 spec, hw, num_devices, small, kv_dtype, tokens, gpu_memory_utilization):
             flag = f"--quantization {small}" if small == "fp8" else f"--dtype {small}"
-            out.append(f"{small} weights ({flag}) on these {num_devices} devices")
+            out.append(f"{small} weights ({flag}) on {_devices(num_devices)}")
             break
     n = num_devices * 2
     while n <= MAX_DEVICES and not fits(spec, hw, n, dtype, kv_dtype, tokens, gpu_memory_utilization):
@@ -60,7 +60,7 @@ def what_would_fit(spec: ModelSpec, hw: Hardware, num_devices: int, dtype: str, 
         out.append(f"{n} x {hw.name} in {dtype} (--num-devices {n})")
     short = _longest_fitting(spec, hw, num_devices, dtype, kv_dtype, tokens, gpu_memory_utilization)
     if short:
-        out.append(f"requests of at most {short} tokens (input + output) on these devices")
+        out.append(f"requests of at most {short} tokens (input + output) on {_devices(num_devices)}")
     return out
 
 
@@ -73,3 +73,7 @@ def _longest_fitting(spec: ModelSpec, hw: Hardware, num_devices: int, dtype: str
             return t
         t //= 2
     return 0
+
+
+def _devices(n: int) -> str:
+    return "this device" if n == 1 else f"these {n} devices"

@@ -14,6 +14,7 @@ from typing import Any
 import click
 
 from jaxserve.config.engine import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, RUNTIME_DTYPES, EngineConfig
+from modelspec.spec import load_model_spec
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -136,9 +137,11 @@ def config_from_options(options: dict[str, Any], **overrides: Any) -> EngineConf
     """Pop the engine flags out of a command's kwargs into an EngineConfig (bad values -> UsageError)."""
     fields = {name: options.pop(name) for name in ENGINE_OPTION_NAMES if name in options}
     try:
-        return EngineConfig(**fields, **overrides)
+        config = EngineConfig(**fields, **overrides)
+        load_model_spec(config.model)  # an unknown model is one line now, not after JAX loads
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    return config
 
 
 def build_engine(config: EngineConfig, *, announce: bool = True):

@@ -36,6 +36,7 @@ class ProgressHandler(RichHandler):
             self.task = (step.task, self.bars.add_task(step.task, total=step.total))
         self.bars.update(self.task[1], completed=step.done, total=step.total,
                          description=f"{step.task}: {record.getMessage().rsplit(': ', 1)[-1]}")
+        self.bars.refresh()  # each record is a moment worth drawing (the timer may not come before the next)
         if step.done >= step.total:
             self.finish()
             super().emit(record)
