@@ -12,6 +12,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from jaxserve.cli.engine_flags import config_from_options, engine_options
+from jaxserve.cli.log_setup import setup_logging
 from jaxserve.cli.output_paths import check_writable
 from planner.hardware import GIGA
 
@@ -60,6 +61,7 @@ def calibrate_command(out: str, quick: bool, **options) -> None:
     if config.async_scheduling:  # each step is timed around one `step()` call, which overlap would blur
         raise click.UsageError("calibrate times the synchronous engine loop; drop --async-scheduling")
     config.async_scheduling = False  # unset: not the platform's default either (a GPU's is the overlapped loop)
+    setup_logging()  # the engine's start-up progress (kernels, compiles) on the log
     t0 = time.monotonic()
     try:
         engine = LLMEngine(config)

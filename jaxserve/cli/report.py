@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from jaxserve.cli.log_setup import setup_logging
 from jaxserve.cli.output_paths import check_writable
 from jaxserve.config.engine import KV_CACHE_DTYPES, QUANTIZATIONS, RUNTIME_DTYPES
 from jaxserve.config.speculative import parse_speculative_config
@@ -78,6 +79,7 @@ def report_command(model: str, dtype: str, quantization: str | None, kv_cache_dt
         cfg = replace(cfg, long_prompt_len=long_prompt_len)
     if load_num_prompts:
         cfg = replace(cfg, load_num_prompts=load_num_prompts)
+    setup_logging()  # the engines' start-up progress (kernels, compiles) on the log
     try:
         report = run_report(cfg, out_dir, profile, log=lambda m: click.echo(m, err=True))
     except ValueError as e:
