@@ -26,6 +26,9 @@ from jaxserve.measure.bench.load import LoadConfig, run_engine
 from jaxserve.measure.bench.results import compute_metrics, finite, format_summary, parse_goodput
 from modelspec.spec import load_model_spec
 
+# The engine flags that mean nothing to a remote server (--seed also seeds the dataset, so it stays).
+ENGINE_ONLY = tuple(n for n in ENGINE_OPTION_NAMES if n != "seed")
+
 
 def _rate(text: str) -> float:
     try:
@@ -57,27 +60,14 @@ class LoadCommand(click.Command):
         ctx.meta["bench_remote"] = _remote(args)
         return super().parse_args(ctx, args)
 
-    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
-        params = super().get_params(ctx)
-        if ctx.meta.get("bench_remote") and ctx.resilient_parsing is False and _showing_help(ctx):
-            return [p for p in params if p.name not in ENGINE_OPTION_NAMES]
-        return params
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [p.get_help_record(ctx) for p in self.get_params(ctx)
+                if not (ctx.meta.get("bench_remote") and p.name in ENGINE_ONLY)]
+        with formatter.section("Options"):
+            formatter.write_dl([r for r in rows if r is not None])
 
 
-def _showing_help(ctx: click.Context) -> bool:
-    return ctx.meta.get("bench_help", False)
-
-
-def _mark_help(ctx: click.Context, param: click.Parameter, value: bool) -> None:
-    if value and not ctx.resilient_parsing:
-        ctx.meta["bench_help"] = True
-        click.echo(ctx.get_help(), color=ctx.color)
-        ctx.exit()
-
-
-@click.command("serve", cls=LoadCommand, add_help_option=False)
-@click.option("-h", "--help", is_flag=True, expose_value=False, is_eager=True, callback=_mark_help,
-              help="Show this message and exit (after --base-url: only the flags that apply to a server).")
+@click.command("serve", cls=LoadCommand)
 @serving_engine_options
 @click.option("--base-url", default=None, help="An OpenAI-compatible server (else an engine in this process, built "
                                                "from the engine flags).")
@@ -113,11 +103,12 @@ def serve_bench(ctx: click.Context, base_url: str | None, served_model_name: str
                 max_concurrency: int | None, goodput: tuple[str, ...], metric_percentiles: str,
                 save_result: str | None, temperature: float, top_p: float, top_k: int, min_p: float,
                 **options: Any) -> None:
-    """Online load in vLLM's style; prints the "Serving Benchmark Result" summary."""
+    """Online load in vLLM's style; prints the "Serving Benchmark Result" summary. Against --base-url, or an engine
+    built here from the engine flags (`--base-url URL --help` lists only the flags that apply to a server)."""
     rate = _rate(request_rate)
     seed = options["seed"]
     if base_url:
-        given = [n for n in ENGINE_OPTION_NAMES if n in options and n != "seed"
+        given = [n for n in ENGINE_ONLY if n in options
                  and ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE]
         if given:
             flag = "--" + given[0].replace("_", "-")
