@@ -142,3 +142,14 @@ def test_signal_with_requests_in_flight_exits_0_within_5s(sig: signal.Signals) -
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_chat_template_is_a_file_or_the_templates_text(tmp_path) -> None:
+    from jaxserve.cli.serve_flags import engine_overrides
+
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "chat.jinja"
+    path.write_text(template)
+    base = {"enforce_eager": False, "enable_auto_tool_choice": True, "tool_call_parser": "hermes", "tokenizer": None}
+    assert engine_overrides({**base, "chat_template": str(path)})["chat_template"] == template
+    assert engine_overrides({**base, "chat_template": template})["chat_template"] == template
