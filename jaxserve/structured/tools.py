@@ -210,8 +210,8 @@ def streamable_prefix(text: str, tools: list[dict[str, Any]] | None, tool_choice
 
 def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
     """The tools as compact signatures with the Hermes call format, for a template that does not render them
-    itself: `get_weather(city: string, days?: integer): The weather in a city`, a line each (a small model's
-    context is short: the whole JSON schemas took most of a 512-token context for two tools)."""
+    itself: `get_weather(city: string, days?: integer): The weather in a city`, a line each (whole JSON schemas
+    would fill a small model's context: docs/startup.md has the count)."""
     lines = "\n".join(_signature(t.get("function") or {}) for t in tools)
     return ('Tools; to call one, write <tool_call>{"name": ..., "arguments": {...}}</tool_call>\n' + lines)
 
