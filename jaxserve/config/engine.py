@@ -7,6 +7,9 @@ from typing import Any
 
 from jaxserve.config.speculative import SpeculativeConfig, parse_speculative_config
 
+# What `--dtype` accepts for weights and activations; "auto" is the platform policy's (`policy.default_dtype`).
+ARRAY_DTYPES = ("float32", "bfloat16", "float16")
+RUNTIME_DTYPES = ("auto", *ARRAY_DTYPES)
 # `--quantization`: the weight formats jaxserve/model/quantize.py can run.
 QUANTIZATIONS = ("int8", "fp8")
 # `--attention-backend`: auto picks at start-up (jaxserve/platform/attention_choice.py); the others force one.
@@ -26,6 +29,10 @@ class EngineConfig:
     """
 
     model: str = "tiny"
+    # vLLM's --tokenizer: a folder holding tokenizer.json, in place of the model's own (None: the model's).
+    tokenizer: str | None = None
+    # vLLM's --chat-template: the Jinja template's text, in place of the tokenizer's (None: the tokenizer's).
+    chat_template: str | None = None
     dtype: str = "auto"
     seed: int = 0
     max_num_seqs: int = 64
