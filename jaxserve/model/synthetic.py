@@ -1,8 +1,8 @@
 """A synthetic preset's model: seeded random weights, drawn where they are cheapest.
 
 Below `DEVICE_DRAW_PARAMS` the weights are numpy normals drawn on the host (`layers.normals`), as ever. Above it
-numpy's draw on one host core dominates the engine's start (`synthetic-8b`'s 8B weights did not finish within
-165 s on the H200 host, shared/measurements/gpu-2026-12-04), so one jitted program draws them on the device
+numpy's draw on one host core dominates the engine's start (docs/gpu_checks.md has the figure), so one jitted
+program draws them on the device
 instead: `layers.hashed_uniform`, a uniform of the same std per weight, the same values on every platform.
 """
 
