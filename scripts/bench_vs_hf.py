@@ -17,9 +17,10 @@ minutes on 2026-11-30.
 
     python scripts/bench_vs_hf.py --skip-hf --batches 1 --measure-bandwidth --async-scheduling --repeats 10
 
-`--repeats N` runs jaxserve N times per batch, each run with its own bandwidth measurement; a row holds the
-medians (TPOT, end to end, TPOT / floor each on its own) and every run under "runs". HF runs once a batch,
-after all of jaxserve's runs, in the same process.
+`--repeats N` runs each engine N timed times per batch after one warm-up run of the same prompts: jaxserve
+(each run with its own bandwidth measurement), then HF, then llama.cpp, all in the same process. A row holds
+each engine's medians (TPOT, end to end, TPOT / floor each on its own) and every run under "runs", "hf_runs"
+and "llamacpp_runs", so one slow sample of any engine cannot decide a ratio: the ratios are of medians.
 
 The output starts with the CPU's instruction set, the one jaxserve's kernels were built for and the engine's
 kernel plan (the row counts whose matmuls run in the kernel). `--kernel-variant avx2` builds and runs the AVX2
@@ -41,6 +42,7 @@ import argparse
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +61,14 @@ def hf_model(spec, threads: int):
                       tie_word_embeddings=spec.tie_word_embeddings)
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).eval()
+
+
+def medians(run: Callable[[], dict[str, float]], repeats: int) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """`run()` once untimed (the same shapes: caches, threads, allocations), then `repeats` times: the median of
+    each of its figures, and every run."""
+    run()
+    runs = [run() for _ in range(repeats)]
+    return {k: float(np.median([r[k] for r in runs])) for k in runs[0]}, runs
 
 
 def hf_run(model, prompts: list[list[int]], new_tokens: int) -> float:
@@ -93,18 +103,38 @@ def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int
     return out[:, ids.shape[1]:].tolist()
 
 
+def hf_rows(hf, rows: list[dict], prompt_sets: list[list[list[int]]], args) -> None:
+    """Time HF's `generate` on each row's prompts as jaxserve's are timed: a warm-up, `--repeats` runs, medians.
+    A run's TPOT is its end to end less a one-token run's, over the other tokens."""
+    def run(prompts: list[list[int]]) -> dict[str, float]:
+        e2e = hf_run(hf, prompts, args.new_tokens)
+        prefill = hf_run(hf, prompts, 1)
+        return {"hf_e2e_s": e2e, "hf_tpot_ms": (e2e - prefill) / (args.new_tokens - 1) * 1e3, "hf_prefill_s": prefill}
+
+    for row, prompts in zip(rows, prompt_sets, strict=True):
+        res, runs = medians(lambda prompts=prompts: run(prompts), args.repeats)
+        row.update(res, hf_tokens_per_s=row["batch"] * args.new_tokens / res["hf_e2e_s"],
+                   speedup_e2e=res["hf_e2e_s"] / row["jaxserve_e2e_s"])
+        if args.repeats > 1:
+            row["hf_runs"] = runs
+        if not args.llamacpp:
+            print(json.dumps(row), flush=True)
+
+
 def llamacpp_rows(hf, rows: list[dict], prompt_sets: list[list[list[int]]], args) -> None:
-    """Convert HF's model to GGUF F32 and time llama.cpp on each row's prompts (one warm run first). The first 16
-    greedy tokens are checked against HF's, so the figures are of the same model."""
+    """Convert HF's model to GGUF F32 and time llama.cpp on each row's prompts as jaxserve's are timed (a warm-up,
+    `--repeats` runs, medians). The first 16 greedy tokens are checked against HF's, so the figures are of the
+    same model."""
     from llamacpp_peer import LlamaCppRunner, convert_to_gguf
 
     with tempfile.TemporaryDirectory() as tmp:
         gguf = convert_to_gguf(hf, Path(tmp), Path(args.llamacpp_src))
         for row, prompts in zip(rows, prompt_sets, strict=True):
             runner = LlamaCppRunner(gguf, len(prompts), args.prompt_len + args.new_tokens, args.threads)
-            runner.generate(prompts, 2)  # warm
-            res = runner.generate(prompts, args.new_tokens)
+            res, runs = medians(lambda r=runner, p=prompts: r.generate(p, args.new_tokens), args.repeats)
             runner.close()
+            if args.repeats > 1:
+                row["llamacpp_runs"] = runs
             ref = hf_greedy(hf, prompts, 16)
             same = sum(a == b for r, o in zip(ref, runner.tokens, strict=True) for a, b in zip(r, o[:16], strict=True))
             row.update(res, llamacpp_first16_match_hf=same / (16 * len(prompts)),
@@ -126,7 +156,8 @@ def main() -> None:
     ap.add_argument("--measure-bandwidth", action="store_true",
                     help="floor from bandwidth measured just before and after each timed run (not --profile's)")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="jaxserve runs per batch (each with its own bandwidth); a row holds their medians")
+                    help="timed runs per batch of each engine, after a warm-up (jaxserve's each with its own "
+                         "bandwidth); a row holds their medians")
     ap.add_argument("--kernel-variant", default="native", choices=("native", "avx2", "portable"),
                     help="which build of jaxserve's CPU kernels to load (cpu_kernels.VARIANTS)")
     ap.add_argument("--no-cpu-kernels", action="store_true", help="jaxserve in XLA's code only")
@@ -167,7 +198,7 @@ def main() -> None:
     # jaxserve's runs first, then HF's: with HF's torch model built in the process first, jaxserve's one-request
     # TPOT was 19.9 ms (`reports/bench_vs_hf_s25.json`) against 17.6 ms with it built after (`_s26`; BUILD.md).
     for b, prompts in zip(batches, prompt_sets, strict=True):
-        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # same shapes, warm
+        llm.generate(prompts, params)  # warm, as the peers' first run: same shapes, as many steps
         runs = []
         for _ in range(args.repeats):
             llm.engine.kv_manager.reset_prefix_cache()  # every run prefills its prompts
@@ -194,15 +225,7 @@ def main() -> None:
         del llm
         hf = hf_model(spec, args.threads)
     if not args.skip_hf:
-        for row, prompts in zip(rows, prompt_sets, strict=True):
-            hf_run(hf, prompts, 2)  # warm
-            e2e = hf_run(hf, prompts, args.new_tokens)
-            prefill = hf_run(hf, prompts, 1)
-            row.update(hf_e2e_s=e2e, hf_tpot_ms=(e2e - prefill) / (args.new_tokens - 1) * 1e3,
-                       hf_prefill_s=prefill, hf_tokens_per_s=row["batch"] * args.new_tokens / e2e,
-                       speedup_e2e=e2e / row["jaxserve_e2e_s"])
-            if not args.llamacpp:
-                print(json.dumps(row), flush=True)
+        hf_rows(hf, rows, prompt_sets, args)
     if args.llamacpp:
         llamacpp_rows(hf, rows, prompt_sets, args)
     if args.out:
