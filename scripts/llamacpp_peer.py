@@ -57,7 +57,9 @@ def convert_to_gguf(hf_model, folder: Path, llamacpp_src: Path) -> Path:
 class LlamaCppRunner:
     """One llama.cpp context that decodes up to `max_seqs` sequences together, greedy, with `threads` threads."""
 
-    def __init__(self, gguf: Path, max_seqs: int, max_len: int, threads: int) -> None:
+    def __init__(self, gguf: Path, max_seqs: int, max_len: int, threads: int, eval_callback=None) -> None:
+        """`eval_callback`: a `llama_cpp.ggml_backend_sched_eval_callback` the context calls on the nodes it asks
+        for (step_breakdown.py observes the matmuls)."""
         import llama_cpp as lc
 
         self.lc = lc
@@ -73,6 +75,9 @@ class LlamaCppRunner:
         cparams.n_seq_max = max_seqs
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.kv_unified = True  # every sequence shares one KV buffer of n_ctx cells
+        if eval_callback is not None:
+            self.eval_callback = eval_callback  # kept alive as long as the context
+            cparams.cb_eval = eval_callback
         self.ctx = lc.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             raise RuntimeError("llama.cpp could not create a context")
