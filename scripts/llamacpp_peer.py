@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import subprocess
 import sys
 import time
@@ -47,10 +48,13 @@ def convert_to_gguf(hf_model, folder: Path, llamacpp_src: Path) -> Path:
     hf_model.save_pretrained(folder)
     write_llama_tokenizer(folder, hf_model.config.vocab_size)
     out = folder / "model-f32.gguf"
-    env_path = str(llamacpp_src / "gguf-py")
-    subprocess.run([sys.executable, str(llamacpp_src / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32",
-                    "--outfile", str(out)], check=True, capture_output=True, text=True,
-                   env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"})
+    # gguf-py first, then this process's path (where sentencepiece, which the converter imports, may lie)
+    env_path = os.pathsep.join([str(llamacpp_src / "gguf-py"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    run = subprocess.run([sys.executable, str(llamacpp_src / "convert_hf_to_gguf.py"), str(folder), "--outtype",
+                          "f32", "--outfile", str(out)], capture_output=True, text=True,
+                         env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"})
+    if run.returncode != 0:
+        raise RuntimeError(f"llama.cpp's converter failed:\n{run.stderr[-3000:]}")
     return out
 
 
@@ -63,6 +67,8 @@ class LlamaCppRunner:
         import llama_cpp as lc
 
         self.lc = lc
+        self.quiet = lc.llama_log_callback(lambda level, text, user: None)  # kept alive: llama.cpp calls it
+        lc.llama_log_set(self.quiet, None)
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
         self.model = lc.llama_model_load_from_file(str(gguf).encode(), mparams)
@@ -74,6 +80,7 @@ class LlamaCppRunner:
         cparams.n_batch = cparams.n_ubatch = max(512, max_seqs * max_len)
         cparams.n_seq_max = max_seqs
         cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.no_perf = False  # llama_perf_context's timings (step_breakdown.py)
         cparams.kv_unified = True  # every sequence shares one KV buffer of n_ctx cells
         if eval_callback is not None:
             self.eval_callback = eval_callback  # kept alive as long as the context
