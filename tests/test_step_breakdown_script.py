@@ -19,7 +19,8 @@ def test_the_breakdown_times_every_part_of_a_step_against_the_measured_floor(tmp
     report = json.loads(out.read_text())
     assert report["bandwidth_gbps"] > 0 and report["floor_ms"] > 0
     js = report["jaxserve"]
-    assert js["step_ms"] > js["forward_ms"] > 0 and js["sampler_ms"] > 0
+    # untraced steps and traced calls are timed apart: on a shared machine either may be the slower
+    assert js["step_ms"] > 0 and js["forward_ms"] > 0 and js["sampler_ms"] >= js["lm_head_ms"] > 0
     assert js["step_over_floor"] == js["step_ms"] / report["floor_ms"]
     assert js["parts"]["attention"]["ms"] > 0  # the attention kernel's calls were found in the forward
     assert set(report["floors_ms"]) == {"qkv", "o", "gate_up", "down", "lm_head"}
