@@ -21,7 +21,10 @@ read), so the floor and the TPOT see the same machine: its streaming sum read 39
 `--repeats N` runs each engine N timed times per batch after one warm-up run of the same prompts: jaxserve
 (each run with its own bandwidth measurement), then HF, then llama.cpp, all in the same process. A row holds
 each engine's medians (TPOT, end to end, TPOT / floor each on its own) and every run under "runs", "hf_runs"
-and "llamacpp_runs", so one slow sample of any engine cannot decide a ratio: the ratios are of medians.
+and "llamacpp_runs", so one slow sample of any engine cannot decide a ratio: the ratios are of medians. Each run
+records the machine's one-minute load average after it (`*_load_1m`): llama.cpp's threads wait for each other
+spinning, and on a shared machine its step slowed tenfold and more where jaxserve's slowed under twofold
+(docs/tuning.md), so a ratio holds only for runs at the same, low load.
 
 The output starts with the CPU's instruction set, the one jaxserve's kernels were built for and the engine's
 kernel plan (the row counts whose matmuls run in the kernel). `--kernel-variant avx2` builds and runs the AVX2
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -110,7 +114,8 @@ def hf_rows(hf, rows: list[dict], prompt_sets: list[list[list[int]]], args) -> N
     def run(prompts: list[list[int]]) -> dict[str, float]:
         e2e = hf_run(hf, prompts, args.new_tokens)
         prefill = hf_run(hf, prompts, 1)
-        return {"hf_e2e_s": e2e, "hf_tpot_ms": (e2e - prefill) / (args.new_tokens - 1) * 1e3, "hf_prefill_s": prefill}
+        return {"hf_e2e_s": e2e, "hf_tpot_ms": (e2e - prefill) / (args.new_tokens - 1) * 1e3, "hf_prefill_s": prefill,
+                "hf_load_1m": os.getloadavg()[0]}
 
     for row, prompts in zip(rows, prompt_sets, strict=True):
         res, runs = medians(lambda prompts=prompts: run(prompts), args.repeats)
@@ -132,7 +137,8 @@ def llamacpp_rows(hf, rows: list[dict], prompt_sets: list[list[list[int]]], args
         gguf = convert_to_gguf(hf, Path(tmp), Path(args.llamacpp_src))
         for row, prompts in zip(rows, prompt_sets, strict=True):
             runner = LlamaCppRunner(gguf, len(prompts), args.prompt_len + args.new_tokens, args.threads)
-            res, runs = medians(lambda r=runner, p=prompts: r.generate(p, args.new_tokens), args.repeats)
+            res, runs = medians(lambda r=runner, p=prompts: {**r.generate(p, args.new_tokens),
+                                                             "llamacpp_load_1m": os.getloadavg()[0]}, args.repeats)
             runner.close()
             if args.repeats > 1:
                 row["llamacpp_runs"] = runs
@@ -212,7 +218,8 @@ def main() -> None:
             tpot = float(np.mean([o.metrics.tpot for o in outs]))
             run = {"jaxserve_e2e_s": wall, "jaxserve_tpot_ms": tpot * 1e3,
                    "jaxserve_tokens_per_s": b * args.new_tokens / wall,
-                   "jaxserve_ttft_ms": float(np.mean([o.metrics.ttft for o in outs])) * 1e3}
+                   "jaxserve_ttft_ms": float(np.mean([o.metrics.ttft for o in outs])) * 1e3,
+                   "jaxserve_load_1m": os.getloadavg()[0]}
             if bandwidth:
                 run.update(decode_floor(spec, b, args.prompt_len + args.new_tokens / 2, bandwidth, tpot))
             runs.append(run)
