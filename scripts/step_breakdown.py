@@ -2,6 +2,7 @@
 jaxserve's step part by part, and llama.cpp's from its own timings.
 
     python scripts/step_breakdown.py --model small
+    python scripts/step_breakdown.py --model small --async-scheduling     # the overlapped loop
     python scripts/step_breakdown.py --model small --llamacpp-src /tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp
     python scripts/step_breakdown.py --model tiny --steps 3 --stream-mib 64 --out /tmp/b.json   # the smoke test's
 
@@ -41,13 +42,14 @@ def layer_weight_bytes(spec) -> dict[str, int]:
             "gate_up": h * 2 * spec.intermediate_size * 4, "down": spec.intermediate_size * h * 4}
 
 
-def jaxserve_step(model: str, prompt_len: int, steps: int) -> dict:
-    """One request decoding: step wall times (untraced), then a trace of as many steps read back."""
+def jaxserve_step(model: str, prompt_len: int, steps: int, async_scheduling: bool = False) -> dict:
+    """One request decoding: step wall times (untraced), then a trace of as many steps read back. With
+    `async_scheduling` the overlapped loop: the host's work for a step runs while the one before computes."""
     from jaxserve.config.engine import EngineConfig
     from jaxserve.core.sampling_params import SamplingParams
     from jaxserve.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=model, max_num_seqs=16, warmup=False))
+    engine = LLMEngine(EngineConfig(model=model, max_num_seqs=16, warmup=False, async_scheduling=async_scheduling))
     plan = engine.runner.ops.matmul.plan
     params = SamplingParams(temperature=0, max_tokens=3 * steps + 64, ignore_eos=True)
     engine.add_request("p0", [j % 1000 + 1 for j in range(prompt_len)], params)
@@ -121,6 +123,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp's and HF's threads")
     ap.add_argument("--llamacpp-src", default=None, help="llama.cpp's source folder (convert_hf_to_gguf.py)")
+    ap.add_argument("--async-scheduling", action="store_true", help="jaxserve's overlapped loop")
     ap.add_argument("--stream-mib", type=int, default=1024, help="the bandwidth measurements' array size")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -136,7 +139,7 @@ def main() -> None:
     spec = load_model_spec(args.model)
     stream = args.stream_mib * 2**20
     before = measure_bandwidth(stream)
-    js = jaxserve_step(args.model, args.prompt_len, args.steps)
+    js = jaxserve_step(args.model, args.prompt_len, args.steps, args.async_scheduling)
     peer = (llamacpp_step(spec, Path(args.llamacpp_src), args.prompt_len, args.steps, args.threads)
             if args.llamacpp_src else None)
     after = measure_bandwidth(stream)
