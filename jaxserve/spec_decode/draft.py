@@ -41,7 +41,7 @@ from jaxserve.spec_decode.rejection import sample_draft
 from modelspec.spec import ModelSpec, load_model_spec
 
 
-def _propose_impl(runner: ModelRunner, k: int, t: int, draw: str, param_leaves, kv_caches, hidden_rows, starts, slots,
+def propose_draws(runner: ModelRunner, k: int, t: int, draw: str, param_leaves, kv_caches, hidden_rows, starts, slots,
                   page_table, limits, temperature, top_k, top_p, min_p, seed, step):
     """The k draws of S speculating sequences (S = the sampling bucket; rows past the real ones have limit 0):
     draft 1 from `hidden_rows`, then k - 1 decode iterations over `t` padded tokens. Sequence j's draft i is drawn
@@ -54,12 +54,12 @@ def _propose_impl(runner: ModelRunner, k: int, t: int, draw: str, param_leaves, 
     cu = jnp.minimum(jnp.arange(n_seq + 1, dtype=jnp.int32), num_seqs)
     table = jnp.zeros((n_seq, page_table.shape[1]), jnp.int32).at[:rows].set(page_table)
 
-    def draw(hidden, i):
+    def draw_at(hidden, i):  # (not `draw`: that would hide the variant's name from sample_draft)
         logits = model.compute_logits(hidden[:rows], runner.ops.matmul)
         return sample_draft(logits, temperature, top_k, top_p, min_p, seed, step + i, draw=draw,
                             cut=runner.policy.sampler_cut)
 
-    tok, q = draw(hidden_rows, 0)
+    tok, q = draw_at(hidden_rows, 0)
     tokens = jnp.zeros((k, n), jnp.int32).at[0, :rows].set(tok)
     qs = jnp.zeros((k, n, q.shape[-1]), jnp.float32).at[0, :rows].set(q.astype(jnp.float32))
 
@@ -73,7 +73,7 @@ def _propose_impl(runner: ModelRunner, k: int, t: int, draw: str, param_leaves, 
             page_table=table, num_seqs=num_seqs, num_decodes=num_seqs)
         hidden, kv = model(jnp.pad(tok, (0, t - rows)), jnp.pad(pos, (0, t - rows)), kv, meta,
                            runner.policy.ops_for(True))  # decodes only
-        new, q = draw(hidden, i)
+        new, q = draw_at(hidden, i)
         return kv, new, tokens.at[i, :rows].set(new), qs.at[i, :rows].set(q.astype(jnp.float32))
 
     kv_caches, _, tokens, qs = jax.lax.fori_loop(1, k, body, (kv_caches, tok, tokens, qs))
@@ -114,13 +114,28 @@ class DraftProposer:
     def propose(self, batch: RaggedBatch, seeds: list[int], live: set[str]) -> tuple[Any, np.ndarray]:
         """Run the draft for `batch` and write its proposals into the draft rows (and `spec_token_ids`) of the
         speculating sequences; returns (q_flat [k * max_sampled, V] on the device, the q row of each logits row)."""
-        self._lag = {rid: p for rid, p in self._lag.items() if rid in live}
         r = self.runner
+        first, speculating, starts = self.plan(batch, live, r.token_buckets[-1])
+        hidden = r.forward(first)
+        if not speculating:
+            return self._zeros(hidden), np.zeros(len(batch.logits_indices), np.int32)
+        tokens, q_flat = self._draws(hidden, batch, speculating, seeds, starts)
+        cu = batch.cu_q_lens
+        for j, s in enumerate(speculating):
+            req, n = batch.requests[s], int(batch.num_drafts[s])
+            req.spec_token_ids = tokens[:n, j].tolist()
+            batch.token_ids[cu[s] + 1: cu[s + 1]] = req.spec_token_ids
+        return q_flat, self.q_index(batch, speculating)
+
+    def plan(self, batch: RaggedBatch, live: set[str], max_tokens: int) -> tuple[RaggedBatch, list[int], np.ndarray]:
+        """The draft's first forward for `batch` (its tokens without the draft rows, after a lagging accepted draft
+        where `max_tokens` leaves room), the speculating sequences and each sequence's first position."""
+        self._lag = {rid: p for rid, p in self._lag.items() if rid in live}
         cu, drafts = batch.cu_q_lens, batch.num_drafts
         q_lens = np.diff(cu)
         starts = batch.kv_lens - q_lens
         items = []  # (sequence, first position, tokens)
-        room = r.token_buckets[-1] - int(np.sum(q_lens - drafts))  # lagging tokens the largest bucket still holds
+        room = max_tokens - int(np.sum(q_lens - drafts))  # lagging tokens the forward's bucket still holds
         for s, req in enumerate(batch.requests):
             real = int(q_lens[s] - drafts[s])
             lag = self._lag.pop(req.request_id, -2) == starts[s] - 1
@@ -130,18 +145,34 @@ class DraftProposer:
             items.append((s, int(starts[s]) + real - len(toks), toks))
         items.sort(key=lambda it: len(it[2]) != 1)  # the draft's decodes first, as the batch format wants
         speculating = [s for s, _, _ in items if drafts[s] > 0]
-        hidden = r.forward(self._batch(batch, items, speculating))
+        return self._batch(batch, items, speculating), speculating, starts
+
+    def q_index(self, batch: RaggedBatch, speculating: list[int]) -> np.ndarray:
+        """The row of q_flat (`propose_draws`'s q, flattened) each logits row of `batch` verifies against."""
         q_index = np.zeros(len(batch.logits_indices), np.int32)
-        if not speculating:
-            return self._zeros(hidden), q_index
-        tokens, q_flat = self._draws(hidden, batch, speculating, seeds, starts)
-        first_row = np.cumsum(np.concatenate([[0], drafts + 1]))[:-1]  # each sequence's first logits row
+        first_row = np.cumsum(np.concatenate([[0], batch.num_drafts + 1]))[:-1]  # each sequence's first logits row
         for j, s in enumerate(speculating):
-            req, n = batch.requests[s], int(drafts[s])
-            req.spec_token_ids = tokens[:n, j].tolist()
-            batch.token_ids[cu[s] + 1: cu[s + 1]] = req.spec_token_ids
-            q_index[first_row[s]: first_row[s] + n] = np.arange(n) * r.max_sampled + j
-        return q_flat, q_index
+            n = int(batch.num_drafts[s])
+            q_index[first_row[s]: first_row[s] + n] = np.arange(n) * self.runner.max_sampled + j
+        return q_index
+
+    def draw_inputs(self, batch: RaggedBatch, seqs: list[int], seeds: list[int], starts: np.ndarray, rows: int
+                    ) -> tuple[str, tuple]:
+        """`propose_draws`'s host inputs for the sequences `seqs` of `batch`, padded to `rows`: (draw, arrays)."""
+        r, k, ps = self.runner, self.k, self.runner.page_size
+        a = SamplingArrays.build([(batch.requests[s].sampling_params, seeds[s],
+                                   len(batch.requests[s].output_token_ids)) for s in seqs], rows)
+        n = len(seqs)
+        idx = np.array(seqs, np.int32)
+        lim, first = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        lim[:n], first[:n] = batch.num_drafts[idx], starts[idx]
+        table = np.zeros((rows, r.pages_per_seq), np.int32)
+        table[:n, : batch.page_table.shape[1]] = batch.page_table[idx]
+        ahead = first[None, :] + np.arange(k, dtype=np.int32)[:, None]  # [k, rows]: iteration i's position
+        page = np.minimum(ahead // ps, r.pages_per_seq - 1)
+        slots = table[np.arange(rows)[None, :], page] * ps + ahead % ps
+        live = (np.arange(k)[:, None] >= 1) & (np.arange(k)[:, None] < lim[None, :])
+        return a.draw, (first, np.where(live, slots, 0).astype(np.int32), table, lim, *a.rows())
 
     def after_verify(self, request_id: str, start: int, num_drafts: int, num_accepted: int) -> None:
         """All of a sequence's drafts accepted: the last one (at start + num_drafts) was never fed to the draft."""
@@ -175,29 +206,17 @@ class DraftProposer:
         drawing as `draw` says (`sampling.DRAWS`)."""
         if (rows, draw) not in self._fns:
             r = self.runner
-            fn = functools.partial(_propose_impl, r, self.k, bucket_for(rows, r.token_buckets), draw)
+            fn = functools.partial(propose_draws, r, self.k, bucket_for(rows, r.token_buckets), draw)
             self._fns[rows, draw] = r.jit_step(fn, num_inputs=11, num_outputs=2)
         return self._fns[rows, draw]
 
     def _draws(self, hidden, batch: RaggedBatch, seqs: list[int], seeds: list[int], starts: np.ndarray
                ) -> tuple[np.ndarray, Any]:
         """Every draft of `seqs` in one call: (tokens [k, max_sampled] on the host, q_flat on the device)."""
-        r, k, ps = self.runner, self.k, self.runner.page_size
+        r = self.runner
         rows = r.sampling_bucket(len(seqs))
-        a = SamplingArrays.build([(batch.requests[s].sampling_params, seeds[s],
-                                   len(batch.requests[s].output_token_ids)) for s in seqs], rows)
-        n = len(seqs)
-        idx = np.array(seqs, np.int32)
-        lim, first = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
-        lim[:n], first[:n] = batch.num_drafts[idx], starts[idx]
-        table = np.zeros((rows, r.pages_per_seq), np.int32)
-        table[:n, : batch.page_table.shape[1]] = batch.page_table[idx]
-        ahead = first[None, :] + np.arange(k, dtype=np.int32)[:, None]  # [k, rows]: iteration i's position
-        page = np.minimum(ahead // ps, r.pages_per_seq - 1)
-        slots = table[np.arange(rows)[None, :], page] * ps + ahead % ps
-        live = (np.arange(k)[:, None] >= 1) & (np.arange(k)[:, None] < lim[None, :])
-        args = r.put((first, np.where(live, slots, 0).astype(np.int32), table, lim, *a.rows()))
-        tokens, q_flat, r.kv_caches = self._fn(rows, a.draw)(r.param_leaves, r.kv_caches, hidden, *args)
+        draw, args = self.draw_inputs(batch, seqs, seeds, starts, rows)
+        tokens, q_flat, r.kv_caches = self._fn(rows, draw)(r.param_leaves, r.kv_caches, hidden, *r.put(args))
         return np.asarray(jax.device_get(tokens)), q_flat
 
     def _zeros_rows(self, hidden) -> jax.Array:

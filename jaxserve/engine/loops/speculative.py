@@ -25,6 +25,7 @@ from jaxserve.engine.loops.base import StepLoop
 from jaxserve.runner.model_runner import StepResult
 from jaxserve.spec_decode.draft import DraftProposer
 from jaxserve.spec_decode.ngram import NgramProposer, draft_room
+from jaxserve.spec_decode.round import FusedRound
 from jaxserve.spec_decode.verify import Verifier, VerifyResult
 
 
@@ -65,6 +66,7 @@ class SpeculativeLoop(StepLoop):
                                     engine.max_model_len) if config.method == "draft_model" else None)
         self.verifier = Verifier(engine.runner, k, point_mass=self.ngram is not None,
                                  vocab_size=target_spec.vocab_size)
+        self.round = FusedRound(engine.runner, k, self.draft)
         self.counters = SpecCounters(accepted_per_pos=[0] * k)
 
     def check(self, params) -> None:
@@ -80,9 +82,11 @@ class SpeculativeLoop(StepLoop):
         self.verifier.warmup()
         if self.draft is not None:
             self.draft.warmup()
+        self.round.warmup()
 
     def compile_count(self) -> int:
-        return self.verifier.compile_count() + (self.draft.compile_count() if self.draft is not None else 0)
+        return (self.verifier.compile_count() + self.round.compile_count()
+                + (self.draft.compile_count() if self.draft is not None else 0))
 
     def stats(self) -> dict[str, float]:
         return self.counters.as_stats()
@@ -111,6 +115,12 @@ class SpeculativeLoop(StepLoop):
             return outputs
         eng.stamp_scheduled(batch)
         seeds = [eng.seed_of(req.request_id) for req in batch.requests]
+        if self.round.accepts(batch):  # decodes only: the whole round in one dispatch
+            result = self.round.execute(batch, seeds, set(sched.requests))
+            compiled = eng.compile_count() > compiles
+            outputs = self._commit(batch, result)
+            eng.record_step(batch, start, compiled)
+            return outputs
         q_flat, q_index = None, np.zeros(len(batch.logits_indices), np.int32)
         if self.draft is not None:
             q_flat, q_index = self.draft.propose(batch, seeds, set(sched.requests))
