@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config.engine import EngineConfig
-from jaxserve.core.batch import RaggedBatch, empty_batch
+from jaxserve.core.batch import RaggedBatch, empty_batch, placeholder
 from jaxserve.kernels.metadata import AttentionMetadata
 from jaxserve.platform.policy import choose_policy
 from jaxserve.runner.buckets import bucket_for
@@ -130,6 +130,10 @@ class DraftProposer:
     def plan(self, batch: RaggedBatch, live: set[str], max_tokens: int) -> tuple[RaggedBatch, list[int], np.ndarray]:
         """The draft's first forward for `batch` (its tokens without the draft rows, after a lagging accepted draft
         where `max_tokens` leaves room), the speculating sequences and each sequence's first position."""
+        items, speculating, starts = self._items(batch, live, max_tokens)
+        return self._batch(batch, items, speculating), speculating, starts
+
+    def _items(self, batch: RaggedBatch, live: set[str], max_tokens: int) -> tuple[list, list[int], np.ndarray]:
         self._lag = {rid: p for rid, p in self._lag.items() if rid in live}
         cu, drafts = batch.cu_q_lens, batch.num_drafts
         q_lens = np.diff(cu)
@@ -144,8 +148,43 @@ class DraftProposer:
                 toks, room = [_token_at(req, int(starts[s]) - 1)] + toks, room - 1
             items.append((s, int(starts[s]) + real - len(toks), toks))
         items.sort(key=lambda it: len(it[2]) != 1)  # the draft's decodes first, as the batch format wants
-        speculating = [s for s, _, _ in items if drafts[s] > 0]
-        return self._batch(batch, items, speculating), speculating, starts
+        return items, [s for s, _, _ in items if drafts[s] > 0], starts
+
+    def round_inputs(self, batch: RaggedBatch, seeds: list[int], steps: list[int], size: int, live: set[str],
+                     chained: bool) -> tuple[tuple, np.ndarray]:
+        """The draft's side of a round of `batch` in one dispatch (`round.py`), for `size` sequences: (its first
+        forward packed, that forward's row -> sequence, each draw row's sequence, first positions, block tables,
+        limits, sampling rows; the rows of the token before the last), and the q row of each logits row. Writes
+        the draft rows' placeholders into `batch.token_ids`. `chained`: each sequence's first forward is the
+        carry's two newest tokens (the first written only when it is a draft the draft never fed, as a round
+        that follows a collected one would)."""
+        r = self.runner
+        n_seq, m = r.max_num_seqs, r.max_sampled
+        cu, drafts = batch.cu_q_lens, batch.num_drafts
+        starts = (batch.kv_lens - np.diff(cu)).astype(np.int32)
+        if chained:  # the token before the last, then the last (placeholders of the carry), at their positions
+            items = [(s, int(starts[s]) - 1, [placeholder(n_seq + s), placeholder(s)]) for s in range(batch.num_seqs)]
+            speculating = [s for s in range(batch.num_seqs) if drafts[s] > 0]
+        else:
+            items, speculating, starts = self._items(batch, live, 2 * size)
+        td = bucket_for(2 * size, r.token_buckets)
+        first_batch = self._batch(batch, items, speculating) if items else empty_batch()
+        row_seq, before = np.full(td, -1, np.int32), np.zeros(td, bool)
+        row_seq[: first_batch.num_tokens] = np.repeat([s for s, _, _ in items], [len(t) for _, _, t in items])
+        if chained:
+            before[: first_batch.num_tokens: 2] = True
+        n, idx = len(speculating), np.array(speculating, np.int32)
+        d_seq, lim, first = np.full(size, -1, np.int32), np.zeros(size, np.int32), np.zeros(size, np.int32)
+        d_seq[:n], lim[:n], first[:n] = idx, drafts[idx], starts[idx]
+        table = np.zeros((size, r.pages_per_seq), np.int32)
+        table[:n, : batch.page_table.shape[1]] = batch.page_table[idx]
+        a = SamplingArrays.build([(batch.requests[s].sampling_params, seeds[s], steps[s]) for s in speculating], size)
+        batch.token_ids = batch.token_ids.copy()
+        for j, s in enumerate(speculating):  # draft i + 1 of j: what the draws leave at n_seq + i * m + j
+            c, d = int(cu[s]), int(drafts[s])
+            batch.token_ids[c + 1: c + 1 + d] = [placeholder(n_seq + i * m + j) for i in range(d)]
+        return ((r.layout.pack(first_batch, td), row_seq, before, d_seq, first, table, lim, *a.rows()),
+                self.q_index(batch, speculating))
 
     def q_index(self, batch: RaggedBatch, speculating: list[int]) -> np.ndarray:
         """The row of q_flat (`propose_draws`'s q, flattened) each logits row of `batch` verifies against."""
