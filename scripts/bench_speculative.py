@@ -72,6 +72,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="also each speculative method with --async-scheduling (rounds chained on the device)")
     ap.add_argument("--profile", default=None, help="hardware profile for the planner (jaxserve calibrate)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -81,8 +83,12 @@ def main() -> None:
                                         "prompt_lookup_min": a.prompt_lookup_min}}
     if a.draft_model:
         methods["draft_model"] = {"method": "draft_model", "model": a.draft_model, "num_speculative_tokens": a.k}
+    configs = {name: EngineConfig(**base, speculative_config=sc) for name, sc in methods.items()}
+    if a.async_scheduling:
+        configs.update({f"{name}-async": EngineConfig(**base, speculative_config=sc, async_scheduling=True)
+                        for name, sc in methods.items() if sc is not None})
     t0 = time.monotonic()
-    engines = {name: create_engine(EngineConfig(**base, speculative_config=sc)) for name, sc in methods.items()}
+    engines = {name: create_engine(config) for name, config in configs.items()}
     print(f"engines ready in {time.monotonic() - t0:.0f} s", file=sys.stderr)
     tasks = prompts(engines["plain"], a.prompt_len)
     runs: dict[tuple[str, str], list[dict]] = {}
@@ -108,8 +114,8 @@ def main() -> None:
         if hw is not None and name != "plain" and steps:
             e = 1 + acc / steps
             alpha = acceptance_from_tokens_per_step(min(e, a.k + 1), a.k)
-            kw = dict(method=name, draft=draft, context_len=a.prompt_len + a.output_len / 2, dtype="fp32",
-                      token_buckets=engines[name].runner.token_buckets)
+            kw = dict(method=name.removesuffix("-async"), draft=draft, context_len=a.prompt_len + a.output_len / 2,
+                      dtype="fp32", token_buckets=engines[name].runner.token_buckets)
             pred = predict_speculative(spec, hw, k=a.k, acceptance=alpha, **kw)
             row.update(acceptance_per_draft=alpha, planner_tpot_ms=pred.tpot_s * 1e3,
                        planner_plain_tpot_ms=pred.decode_step_s * 1e3, planner_best_k=choose_k(
