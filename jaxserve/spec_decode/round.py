@@ -215,6 +215,15 @@ class FusedRound:
             d.runner.kv_caches = kv_d
         return out, carry_out
 
+    def lower(self, inputs: RoundInputs) -> Any:
+        """The round `dispatch` would run for `inputs`, lowered (to read its program; nothing runs)."""
+        t, d = self.target, self.draft
+        size = inputs.sampling.temperature.shape[0] // (self.k + 1)
+        p_d, kv_d = (d.runner.param_leaves, d.runner.kv_caches) if d is not None else ((), ())
+        return self._fn(size, tier_for(inputs.sampling)).lower(t.param_leaves, t.kv_caches, p_d, kv_d,
+                                                              t.put(inputs.arrays()), self.no_carry,
+                                                              t.put(inputs.draft))
+
     @staticmethod
     def collect(pending: tuple, num_rows: int, want_logprobs: bool) -> tuple:
         """Wait for a round and copy its first `num_rows` rows to the host: (accepted, tokens, logprobs, top ids,
