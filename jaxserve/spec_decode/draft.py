@@ -2,18 +2,20 @@
 
 It runs in the engine's process on the target's mesh with its own parameters and its own KV pool, a mirror of the
 target's: as many pages, indexed by the same block tables, so the target's page allocation, prefix cache and
-rollback serve both (a page cached in the target's tree holds the draft's KV of the same tokens). Each step, before
-the target verifies, two calls go to the device back to back (the host waits only for the second's tokens):
+rollback serve both (a page cached in the target's tree holds the draft's KV of the same tokens). Its work in a
+step:
 
 1. the draft's forward over the target's batch as scheduled, without its draft rows (decodes, prefill chunks: the
    draft's KV keeps pace with the target's), plus, for a sequence whose previous k drafts were all accepted, the
    last of them (the draft never fed it);
-2. one jitted call of all k draws: draft 1 of each speculating sequence from the forward's last rows, then a loop
+2. all k draws (`propose_draws`): draft 1 of each speculating sequence from the forward's last rows, then a loop
    of static trip count k - 1 (as `runner/decode_run.py` runs --num-scheduler-steps) whose iteration i feeds every
    sequence's draw i - 1 at its position start + i and draws draft i + 1; a sequence given fewer drafts writes its
    later iterations' KV to the trash page. It returns the k draws, their distributions and the KV pool.
 
-Then one copy of the k draws to the host, which writes them into the target batch's draft rows.
+In a round of decodes both run inside the round's one jitted call (`round.py`, inputs from `round_inputs`) and the
+target reads the draws on the device; in a step with prefill chunks they are two calls (`propose`), then one copy
+of the k draws to the host, which writes them into the target batch's draft rows.
 """
 
 from __future__ import annotations

@@ -7,8 +7,13 @@ keeps its accepted drafts and one token of its own. The KV of rejected rows is r
 length ends after its last accepted token, its pages past that are freed, and the prefix cache, which only ever
 inserts computed pages, never sees a rejected token.
 
-Steps run synchronously, one dispatch at a time: the engine config refuses speculation together with
-`async_scheduling` or `num_scheduler_steps` > 1. The proposers and the verifier live in jaxserve/spec_decode/.
+A round of decodes only (every sequence a verify chunk or a plain decode) runs as one dispatch
+(`spec_decode/round.py`): the draft model's steps, the target's verify forward and the acceptance in one jitted
+call, one small read. Other steps (a prefill chunk beside the decodes) run the proposer, the target's forward and
+the verifier's call back to back. With `async_scheduling`, a round of decodes is left in flight, and the next step
+dispatches the round after it, chained on the device (`spec_decode/chain.py`), before it collects it: the host's
+commit of round r and its layout of round r + 2 overlap round r + 1 on the device. The proposers and the verifier
+live in jaxserve/spec_decode/.
 """
 
 from __future__ import annotations
