@@ -46,6 +46,8 @@ def test_greedy_output_is_unchanged_with_chunked_prefill_and_preemption(plain, s
     finally:
         sched.config.init_new_token_ratio, sched.config.min_new_token_ratio, sched.new_token_ratio = saved
     assert spec.engine.counters["num_preemptions"] > preempted
+    # counted once each, though chained rounds run without a schedule() of their own
+    assert spec.engine.counters["num_preemptions"] == spec.engine.scheduler.num_preemptions
     assert _chained(spec) > chained + 20  # most rounds were dispatched before the one before them was collected
     assert spec.engine.kv_manager.num_used_pages == 0
     spec.engine.scheduler.integrity_check()

@@ -120,7 +120,10 @@ class SpeculativeLoop(StepLoop):
         flight, self.flight = self.flight, None
         self.flight = self._chain(flight)
         outputs = self._collect(flight, trim=self.flight is None)
-        return outputs if self.flight is not None else outputs + self._step()
+        if self.flight is None:
+            return outputs + self._step()
+        self.engine.scheduler.clear_step_stats()  # the chained round was not scheduled: it counts none again
+        return outputs
 
     def _chain(self, flight: Flight) -> Flight | None:
         """The round after `flight`, dispatched before it is collected (`spec_decode/chain.py`): only while the
