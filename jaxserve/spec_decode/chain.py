@@ -6,8 +6,9 @@ the position after its last token now, its draws' token indices start one past i
 cover the most the round in flight may have accepted. The device moves every linked row on by the drafts actually
 accepted (`round.py`). Draft counts are cut so that even a fully accepted round in flight leaves room within
 max_tokens and max_model_len. N-gram proposals come from the tokens known, followed by the round in flight's own
-drafts (as if all were accepted): the first token the lookup then proposes stands for that round's own token, the
-rest are the next round's drafts; when the guess is wrong, they are rejected, which costs speed, never tokens.
+drafts as if all were accepted, when lookup on the tokens known now proposes those drafts too (else as if it
+accepted none): the first token the lookup then proposes stands for that round's own token, the rest are the next
+round's drafts; when the guess is wrong they are rejected, which costs speed, never tokens.
 """
 
 from __future__ import annotations
@@ -35,9 +36,12 @@ def chain_batch(flight: RaggedBatch, kv, k: int, max_model_len: int, ngram: Ngra
         proposal: list[int] = []
         if ngram is not None and room > 0:
             c = int(flight.cu_q_lens[s])
-            guess = ngram_propose(req.all_token_ids + flight.token_ids[c + 1: c + 1 + n_prev].tolist(), room + 1,
-                                  ngram.min_n, ngram.max_n)
-            proposal = guess[1:]
+            history, in_flight = req.all_token_ids, flight.token_ids[c + 1: c + 1 + n_prev].tolist()
+            # Its drafts were guessed before the round before it was known: if lookup on what is known now would
+            # propose them too, they may well be accepted; if not, that round will most likely emit one token.
+            if in_flight and ngram_propose(history, n_prev, ngram.min_n, ngram.max_n) == in_flight:
+                history = history + in_flight
+            proposal = ngram_propose(history, room + 1, ngram.min_n, ngram.max_n)[1:]
         elif ngram is None:
             proposal = [0] * room  # the draft model's, filled on the device
         if not kv.allocate(req, n_prev + len(proposal) + 2):  # from its last computed token on, at most
