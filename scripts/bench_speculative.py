@@ -59,7 +59,7 @@ def one(engine: LLMEngine, ids: list[int], n: int, rid: str) -> dict:
             out = o if o.finished else out
     m = out.metrics
     return {"tpot_ms": 1e3 * m.tpot, "drafts": m.spec_num_draft_tokens, "accepted": m.spec_num_accepted_tokens,
-            "verify_steps": m.spec_num_steps, "tokens": len(out.token_ids)}
+            "verify_steps": m.spec_num_steps, "tokens": len(out.token_ids), "token_ids": list(out.token_ids)}
 
 
 def main() -> None:
@@ -109,6 +109,7 @@ def main() -> None:
         drafts, acc, steps = (sum(x[k] for x in rs) for k in ("drafts", "accepted", "verify_steps"))
         row = {"method": name, "task": task, "tpot_ms": tpot, "tpot_runs_ms": [x["tpot_ms"] for x in rs],
                "plain_tpot_ms": plain, "speedup": plain / tpot,
+               "same_tokens": all(x["token_ids"] == y["token_ids"] for x in rs for y in runs[("plain", task)]),
                "acceptance_rate": acc / drafts if drafts else None,
                "tokens_per_verify_step": 1 + acc / steps if steps else None}
         if hw is not None and name != "plain" and steps:
