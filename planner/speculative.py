@@ -9,12 +9,12 @@ prefix and one more). So
 
 where the verify step is the roofline step model's step with k + 1 rows per sequence (its matmuls read the
 weights once for all rows, so on a bandwidth-bound device it costs little more than a decode step), and the
-proposer is ~0 for n-gram lookup (host work, whose proposals go up with the verify step's inputs) or, for a draft
-model, its own k steps: one forward over the sequences' newest tokens, then k - 1 decode iterations, each with its
-LM head and sampling. A round of decodes runs as one dispatch (jaxserve/spec_decode/round.py: the draft's steps,
-the target's verify forward and the acceptance in one jitted call), so the draft's k steps add no dispatch of
-their own: each is priced as its step less the dispatch's host work (at most its fitted fixed overhead, where a
-profile's fit left less there than the dispatch measured), and the round pays the verify step's one dispatch.
+proposer is ~0 for n-gram lookup (host work) or, for a draft model, its own k steps: one forward over the
+sequences' newest tokens, then k - 1 decode iterations in one jitted call, each with its LM head and sampling. The
+host prepares and collects them once a round, so they are priced as --num-scheduler-steps prices k decode steps in
+one dispatch: one `dispatch_overhead_s` for the k, the rest of each step's costs k times (each step less the
+dispatch's host work, at most its fitted fixed overhead where a profile's fit left less there than the dispatch
+measured; the round still pays its one dispatch in full).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def proposer_s(method: str, hw: Hardware, batch: int, context_len: float, k: int
                draft: ModelSpec | None = None, tp: int = 1, dtype: str = "bf16", kv_dtype: str | None = None,
                token_buckets: Sequence[int] = ()) -> float:
     """Seconds the proposer spends per verify step: 0 for n-gram lookup (host work, beside the step's own), k
-    draft-model decode steps of `batch` sequences inside the round's one dispatch for a draft model."""
+    draft-model decode steps of `batch` sequences in one dispatch for a draft model."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     if method == "ngram":
@@ -99,7 +99,7 @@ def proposer_s(method: str, hw: Hardware, batch: int, context_len: float, k: int
         raise ValueError("a draft_model proposer needs the draft model's spec")
     host = max(hw.coefficients.dispatch_overhead_s, 0.0)
     kw = dict(tp=tp, dtype=dtype, kv_dtype=kv_dtype, padded_tokens=pad_tokens(batch, token_buckets))
-    total = 0.0  # the round's one dispatch is the verify step's
+    total = host  # the host prepares and collects the k steps once
     for i in range(k):
         alone = step_time_shape(draft, hw, decode_shape(batch, context_len + i), **kw)
         # Each step's own work: the step less its share of a dispatch's host work, which lives in its fitted fixed
