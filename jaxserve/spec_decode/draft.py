@@ -169,7 +169,7 @@ class DraftProposer:
             speculating = [s for s in range(batch.num_seqs) if drafts[s] > 0]
         else:
             items, speculating, starts = self._items(batch, live, 2 * size)
-        td = bucket_for(2 * size, r.token_buckets)
+        td = r.policy.token_buckets((2 * size,))[0]
         first_batch = self._batch(batch, items, speculating) if items else empty_batch()
         row_seq, before = np.full(td, -1, np.int32), np.zeros(td, bool)
         row_seq[: first_batch.num_tokens] = np.repeat([s for s, _, _ in items], [len(t) for _, _, t in items])

@@ -13,8 +13,9 @@ accepted none of its drafts; the device moves each linked sequence's positions, 
 indices on by the drafts that round accepted, and reads its newest tokens from the round's carry (how many
 drafts each sequence verified and accepted, its last token and the one before).
 
-Shapes are fixed per sequence bucket S: the target's forward pads to the token bucket of S x (k + 1) rows, the
-draft's to that of 2 S, its draws to S rows; so a round compiles once per (S, sampler tier) at warm-up. KV
+Shapes are fixed per sequence bucket S: the target's forward runs S x (k + 1) rows (not padded to a forward's
+token bucket: on a CPU 8 rows for 5 cost measurably more), the draft's 2 S, its draws S; so a round compiles once
+per (S, sampler tier) at warm-up (the platform's smallest step still applies). KV
 rollback stays with the host's bookkeeping: a rejected row's KV is written, then left past the computed length.
 """
 
@@ -192,7 +193,7 @@ class FusedRound:
             logit_seq += [s] * (n + 1)
         has_draft, ls = np.zeros(r, bool), np.full(r, -1, np.int32)
         has_draft[: len(has)], ls[: len(logit_seq)] = has, logit_seq
-        tb = bucket_for(r, t.token_buckets)
+        tb = t.policy.token_buckets((r,))[0]  # compiled per S anyway: no padding to a forward's bucket
         row_seq = np.full(tb, -1, np.int32)
         row_seq[: batch.num_tokens] = np.repeat(np.arange(batch.num_seqs, dtype=np.int32), np.diff(batch.cu_q_lens))
         first_row = np.zeros(t.max_sampled, np.int32)
