@@ -165,7 +165,7 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     prompt_sets = [[rng.integers(0, 256, args.prompt_len).tolist() for _ in range(b)] for b in batches]
     # jaxserve's runs first, then HF's: with HF's torch model built in the process first, jaxserve's one-request
-    # TPOT was 19.9 ms (`reports/bench_vs_hf_s25.json`) against 17.6 ms with it built after (`_s26`; BUILD.md).
+    # TPOT was slower (docs/results.md).
     for b, prompts in zip(batches, prompt_sets, strict=True):
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # same shapes, warm
         runs = []

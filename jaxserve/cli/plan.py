@@ -183,6 +183,7 @@ def report(result: PlanResult, top: int = 5, console: Console | None = None) -> 
                   f"decode {d['decode']['instances']} x tp{d['decode']['tp']} (P:D devices {d['pd_ratio']}), "
                   f"KV transfer {d['kv_transfer_ms']:.2f} ms/request, goodput/device {d['goodput_per_device']:.3f}"
                   f" vs colocated {d['colocated_goodput_per_device']:.3f}")
+        con.print(f"  compares {d['compared']}")
     if j["simulated"]:
         s = j["simulated"]
         con.print(f"[bold]simulated[/bold]: TTFT {_ms(s['ttft_ms'])}; TPOT {_ms(s['tpot_ms'])}")
