@@ -9,12 +9,15 @@ prefix and one more). So
 
 where the verify step is the roofline step model's step with k + 1 rows per sequence (its matmuls read the
 weights once for all rows, so on a bandwidth-bound device it costs little more than a decode step), and the
-proposer is ~0 for n-gram lookup (host work) or, for a draft model, its own k steps: one forward over the
-sequences' newest tokens, then k - 1 decode iterations in one jitted call, each with its LM head and sampling. The
-host prepares and collects them once a round, so they are priced as --num-scheduler-steps prices k decode steps in
-one dispatch: one `dispatch_overhead_s` for the k, the rest of each step's costs k times (each step less the
-dispatch's host work, at most its fitted fixed overhead where a profile's fit left less there than the dispatch
-measured; the round still pays its one dispatch in full).
+proposer is ~0 for n-gram lookup (host work, whose proposals go up with the verify step's inputs) or, for a draft
+model, its own k steps: one forward over the sequences' newest tokens, then k - 1 decode iterations, each with its
+LM head and sampling. They are priced as --num-scheduler-steps prices k decode steps in one dispatch: one
+`dispatch_overhead_s` for the k, the rest of each step's costs k times (each step less the dispatch's host work, at
+most its fitted fixed overhead where a profile's fit left less there than the dispatch measured). A round of
+decodes now runs the draft's steps and the verify step in one jitted call (jaxserve/spec_decode/round.py), yet the
+round keeps that dispatch in its price: on the 2-core EPYC the one call saved far less than a calibrated dispatch
+(docs/speculative.md: the report's row -30.9% priced without it, -11.6% with it, the same run). The verify step runs
+its k + 1 rows a sequence unpadded (the round is compiled per sequence bucket).
 """
 
 from __future__ import annotations
@@ -72,10 +75,10 @@ def verify_shape(batch: int, context_len: float, k: int) -> StepShape:
 def verify_step_s(spec: ModelSpec, hw: Hardware, batch: int, context_len: float, k: int, *, tp: int = 1,
                   dtype: str = "bf16", kv_dtype: str | None = None, token_buckets: Sequence[int] = ()) -> float:
     """Seconds of one verify step: the step model of `verify_shape`, with the LM head and the sampler over every
-    row (batch x (k + 1)) instead of one per sequence."""
+    row (batch x (k + 1)) instead of one per sequence, unpadded but to the smallest of `token_buckets`."""
     shape = verify_shape(batch, context_len, k)
     rows = batch * (k + 1)
-    padded = pad_tokens(shape.num_tokens, token_buckets)
+    padded = max(shape.num_tokens, min(token_buckets, default=1))  # a round's rows, not a forward's bucket
     ops = []
     for op in op_costs(spec, shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype, padded_tokens=padded):
         if op.name in (LM_HEAD, "sampling"):

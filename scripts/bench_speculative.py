@@ -59,7 +59,7 @@ def one(engine: LLMEngine, ids: list[int], n: int, rid: str) -> dict:
             out = o if o.finished else out
     m = out.metrics
     return {"tpot_ms": 1e3 * m.tpot, "drafts": m.spec_num_draft_tokens, "accepted": m.spec_num_accepted_tokens,
-            "verify_steps": m.spec_num_steps, "tokens": len(out.token_ids)}
+            "verify_steps": m.spec_num_steps, "tokens": len(out.token_ids), "token_ids": list(out.token_ids)}
 
 
 def main() -> None:
@@ -72,6 +72,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="also each speculative method with --async-scheduling (rounds chained on the device)")
     ap.add_argument("--profile", default=None, help="hardware profile for the planner (jaxserve calibrate)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -81,8 +83,12 @@ def main() -> None:
                                         "prompt_lookup_min": a.prompt_lookup_min}}
     if a.draft_model:
         methods["draft_model"] = {"method": "draft_model", "model": a.draft_model, "num_speculative_tokens": a.k}
+    configs = {name: EngineConfig(**base, speculative_config=sc) for name, sc in methods.items()}
+    if a.async_scheduling:
+        configs.update({f"{name}-async": EngineConfig(**base, speculative_config=sc, async_scheduling=True)
+                        for name, sc in methods.items() if sc is not None})
     t0 = time.monotonic()
-    engines = {name: create_engine(EngineConfig(**base, speculative_config=sc)) for name, sc in methods.items()}
+    engines = {name: create_engine(config) for name, config in configs.items()}
     print(f"engines ready in {time.monotonic() - t0:.0f} s", file=sys.stderr)
     tasks = prompts(engines["plain"], a.prompt_len)
     runs: dict[tuple[str, str], list[dict]] = {}
@@ -103,13 +109,14 @@ def main() -> None:
         drafts, acc, steps = (sum(x[k] for x in rs) for k in ("drafts", "accepted", "verify_steps"))
         row = {"method": name, "task": task, "tpot_ms": tpot, "tpot_runs_ms": [x["tpot_ms"] for x in rs],
                "plain_tpot_ms": plain, "speedup": plain / tpot,
+               "same_tokens": all(x["token_ids"] == y["token_ids"] for x in rs for y in runs[("plain", task)]),
                "acceptance_rate": acc / drafts if drafts else None,
                "tokens_per_verify_step": 1 + acc / steps if steps else None}
         if hw is not None and name != "plain" and steps:
             e = 1 + acc / steps
             alpha = acceptance_from_tokens_per_step(min(e, a.k + 1), a.k)
-            kw = dict(method=name, draft=draft, context_len=a.prompt_len + a.output_len / 2, dtype="fp32",
-                      token_buckets=engines[name].runner.token_buckets)
+            kw = dict(method=name.removesuffix("-async"), draft=draft, context_len=a.prompt_len + a.output_len / 2,
+                      dtype="fp32", token_buckets=engines[name].runner.token_buckets)
             pred = predict_speculative(spec, hw, k=a.k, acceptance=alpha, **kw)
             row.update(acceptance_per_draft=alpha, planner_tpot_ms=pred.tpot_s * 1e3,
                        planner_plain_tpot_ms=pred.decode_step_s * 1e3, planner_best_k=choose_k(

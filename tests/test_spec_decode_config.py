@@ -41,10 +41,10 @@ def test_bad_configs_are_one_line_errors(text, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_speculation_refuses_the_asynchronous_loops():
-    with pytest.raises(ValueError, match="synchronous one-step loop"):
-        EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}, async_scheduling=True)
-    with pytest.raises(ValueError, match="synchronous one-step loop"):
+def test_speculation_runs_with_async_scheduling_but_not_k_steps_a_dispatch():
+    config = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}, async_scheduling=True)
+    assert config.async_scheduling and config.supports_async_scheduling
+    with pytest.raises(ValueError, match="one-round-a-step loop"):
         EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}, num_scheduler_steps=4)
 
 

@@ -109,11 +109,9 @@ class EngineConfig:
             raise ValueError("num_scheduler_steps > 1 needs the synchronous loop of a colocated engine in one process "
                              "(not with async_scheduling, disaggregate or num_processes > 1)")
         self.speculative_config = parse_speculative_config(self.speculative_config)
-        if self.speculative_config and (self.async_scheduling or self.num_scheduler_steps > 1 or self.disaggregate
-                                        or self.num_processes > 1):
-            raise ValueError("speculative_config runs the synchronous one-step loop of a colocated engine in one "
-                             "process (not with async_scheduling, num_scheduler_steps > 1, disaggregate or "
-                             "num_processes > 1)")
+        if self.speculative_config and (self.num_scheduler_steps > 1 or self.disaggregate or self.num_processes > 1):
+            raise ValueError("speculative_config runs its own one-round-a-step loop in a colocated engine in one "
+                             "process (not with num_scheduler_steps > 1, disaggregate or num_processes > 1)")
         if self.token_buckets and max(self.token_buckets) < self.max_num_batched_tokens:
             raise ValueError(f"the largest token bucket ({max(self.token_buckets)}) must hold a whole step "
                              f"(max_num_batched_tokens={self.max_num_batched_tokens})")
@@ -136,8 +134,7 @@ class EngineConfig:
     @property
     def supports_async_scheduling(self) -> bool:
         """Whether this configuration can run the overlapped loop (see the checks in `__post_init__`)."""
-        return not (self.disaggregate or self.num_processes > 1 or self.num_scheduler_steps > 1
-                    or self.speculative_config)
+        return not (self.disaggregate or self.num_processes > 1 or self.num_scheduler_steps > 1)
 
     @property
     def model_name(self) -> str:

@@ -185,6 +185,11 @@ class Scheduler:
         batch = build_ragged_batch([(r, 1) for r in self.running], len(self.running), cfg.page_size)
         return batch, limits
 
+    def clear_step_stats(self) -> None:
+        """Zero the last schedule() call's preemptions and prefix lookups: a step ran without calling it (a chained
+        speculative round), so `stats()` must not count that call's again."""
+        self._step_preemptions = self._step_queries = self._step_hits = 0
+
     def record_token(self, req: Request, token_id: int) -> None:
         """One token a decode run drew for `req`: the KV of its input (the last token) is now computed."""
         req.num_computed_tokens = req.num_tokens

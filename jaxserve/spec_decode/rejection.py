@@ -4,7 +4,9 @@ Every logits row of a step is one token index of one sequence. A row with a draf
 probability q(d)) accepts it with probability min(1, p(d) / q(d)), p the target's distribution after the request's
 temperature, top-k, top-p and min-p; a rejected row draws from max(0, p - q) renormalised. A row without a draft
 (the bonus row after k accepted drafts, a plain decode, a prefill's first token) draws from p exactly as
-`runner.sampler` does, with the same (seed, token index) uniform. For n-gram proposals q is a point mass on d.
+`runner.sampler` does, with the same (seed, token index) uniform. For n-gram proposals q is a point mass on d:
+the row draws its own token as the plain sampler does and accepts d iff that token is d (probability p(d), as
+min(1, p(d)/q(d)) gives), so a seeded request emits the plain sampler's tokens whatever was proposed.
 Greedy rows have p = one-hot(argmax): d is accepted iff it is the argmax, else the argmax is emitted, so greedy
 output is the same token for token as without speculation.
 
@@ -95,16 +97,17 @@ def verify(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
 
     def general() -> tuple[jax.Array, jax.Array]:
         keys = row_keys(seed, step)
-        p = probabilities(logits, temperature, top_k, top_p, min_p, draw=draw, cut=cut)
-        qd_full = jax.nn.one_hot(d, logits.shape[-1], dtype=p.dtype) if q is None else q
-        p_d = jnp.take_along_axis(p, d[:, None], axis=-1)[:, 0]
-        q_d = jnp.take_along_axis(qd_full, d[:, None], axis=-1)[:, 0]
-        accepted = has & (uniforms(keys, ACCEPT_STREAM) * q_d < p_d)
-        residual = jnp.maximum(p - qd_full, 0.0)
-        residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p)
         u = uniforms(keys)
         plain = jnp.where(temperature > 0, draw_cdf(filtered_logits(logits, temperature, top_k, top_p, min_p,
                                                                     draw=draw, cut=cut), u), greedy)
+        if q is None:  # a point mass: accepted iff the row's own draw is d, which happens with probability p(d)
+            return has & (plain == d), plain
+        p = probabilities(logits, temperature, top_k, top_p, min_p, draw=draw, cut=cut)
+        p_d = jnp.take_along_axis(p, d[:, None], axis=-1)[:, 0]
+        q_d = jnp.take_along_axis(q, d[:, None], axis=-1)[:, 0]
+        accepted = has & (uniforms(keys, ACCEPT_STREAM) * q_d < p_d)
+        residual = jnp.maximum(p - q, 0.0)
+        residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p)
         own = jnp.where(has, draw_from(residual, u), plain)
         return accepted, own
 

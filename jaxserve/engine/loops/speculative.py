@@ -7,8 +7,13 @@ keeps its accepted drafts and one token of its own. The KV of rejected rows is r
 length ends after its last accepted token, its pages past that are freed, and the prefix cache, which only ever
 inserts computed pages, never sees a rejected token.
 
-Steps run synchronously, one dispatch at a time: the engine config refuses speculation together with
-`async_scheduling` or `num_scheduler_steps` > 1. The proposers and the verifier live in jaxserve/spec_decode/.
+A round of decodes only (every sequence a verify chunk or a plain decode) runs as one dispatch
+(`spec_decode/round.py`): the draft model's steps, the target's verify forward and the acceptance in one jitted
+call, one small read. Other steps (a prefill chunk beside the decodes) run the proposer, the target's forward and
+the verifier's call back to back. With `async_scheduling`, a round of decodes is left in flight, and the next step
+dispatches the round after it, chained on the device (`spec_decode/chain.py`), before it collects it: the host's
+commit of round r and its layout of round r + 2 overlap round r + 1 on the device. The proposers and the verifier
+live in jaxserve/spec_decode/.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.request import RequestStatus
 from jaxserve.engine.loops.base import StepLoop
 from jaxserve.runner.model_runner import StepResult
+from jaxserve.spec_decode.chain import chain_batch
 from jaxserve.spec_decode.draft import DraftProposer
 from jaxserve.spec_decode.ngram import NgramProposer, draft_room
+from jaxserve.spec_decode.round import FusedRound
 from jaxserve.spec_decode.verify import Verifier, VerifyResult
 
 
@@ -36,12 +43,25 @@ class SpecCounters:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [k]: drafts accepted at each position
+    num_chained: int = 0  # rounds dispatched while the round before them was still in flight
 
     def as_stats(self) -> dict[str, float]:
         out = {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": self.num_draft_tokens,
-               "spec_decode_num_accepted_tokens": self.num_accepted_tokens}
+               "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+               "spec_decode_num_chained_rounds": self.num_chained}
         out.update({f"spec_decode_num_accepted_tokens_pos{i}": n for i, n in enumerate(self.accepted_per_pos)})
         return out
+
+
+@dataclass
+class Flight:
+    """A round dispatched and not yet collected."""
+
+    batch: RaggedBatch
+    pending: tuple  # FusedRound.dispatch's (results, carry) on the device
+    want_logprobs: bool
+    start: float
+    compiles: int  # compiled variants when it was prepared
 
 
 class SpeculativeLoop(StepLoop):
@@ -65,6 +85,9 @@ class SpeculativeLoop(StepLoop):
                                     engine.max_model_len) if config.method == "draft_model" else None)
         self.verifier = Verifier(engine.runner, k, point_mass=self.ngram is not None,
                                  vocab_size=target_spec.vocab_size)
+        self.round = FusedRound(engine.runner, k, self.draft)
+        self.overlap = bool(engine.config.async_scheduling)
+        self.flight: Flight | None = None
         self.counters = SpecCounters(accepted_per_pos=[0] * k)
 
     def check(self, params) -> None:
@@ -80,15 +103,60 @@ class SpeculativeLoop(StepLoop):
         self.verifier.warmup()
         if self.draft is not None:
             self.draft.warmup()
+        self.round.warmup()
 
     def compile_count(self) -> int:
-        return self.verifier.compile_count() + (self.draft.compile_count() if self.draft is not None else 0)
+        return (self.verifier.compile_count() + self.round.compile_count()
+                + (self.draft.compile_count() if self.draft is not None else 0))
 
     def stats(self) -> dict[str, float]:
         return self.counters.as_stats()
 
     def step(self) -> list[RequestOutput]:
-        """One synchronous step: propose, verify, commit."""
+        """One step: with a round in flight, dispatch the one after it where it can follow on the device, then
+        collect it; else propose, schedule, verify (a round of decodes left in flight under async scheduling)."""
+        if self.flight is None:
+            return self._step()
+        flight, self.flight = self.flight, None
+        self.flight = self._chain(flight)
+        outputs = self._collect(flight, trim=self.flight is None)
+        if self.flight is None:
+            return outputs + self._step()
+        self.engine.scheduler.clear_step_stats()  # the chained round was not scheduled: it counts none again
+        return outputs
+
+    def _chain(self, flight: Flight) -> Flight | None:
+        """The round after `flight`, dispatched before it is collected (`spec_decode/chain.py`): only while the
+        same requests run, in the same order, and nothing waits (no admission, no preemption)."""
+        eng = self.engine
+        sched = eng.scheduler
+        if sched.waiting or [id(r) for r in sched.running] != [id(r) for r in flight.batch.requests]:
+            return None
+        if not eng.runner.policy.overlaps(len(sched.running) * (self.k + 1)):
+            return None
+        start, compiles = eng.clock(), eng.compile_count()
+        chained = chain_batch(flight.batch, eng.kv_manager, self.k, eng.max_model_len, self.ngram)
+        if chained is None:
+            return None
+        batch, steps = chained
+        seeds = [eng.seed_of(req.request_id) for req in batch.requests]
+        inputs = self.round.prepare(batch, seeds, steps, set(sched.requests), link=list(range(batch.num_seqs)))
+        pending = self.round.dispatch(inputs, carry=flight.pending[1])
+        self.counters.num_chained += 1
+        return Flight(batch, pending, inputs.sampling.want_logprobs, start, compiles)
+
+    def _collect(self, flight: Flight, trim: bool) -> list[RequestOutput]:
+        """Wait for a round, keep what it accepted (rolling back the rest's pages when `trim`: no round after it
+        in flight) and count it."""
+        eng = self.engine
+        result = VerifyResult(*self.round.collect(flight.pending, len(flight.batch.logits_indices),
+                                                  flight.want_logprobs))
+        outputs = self._commit(flight.batch, result, trim)
+        eng.record_step(flight.batch, flight.start, eng.compile_count() > flight.compiles)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
+        """One step from the host's state: propose, schedule, verify, commit."""
         eng = self.engine
         start = eng.clock()
         sched = eng.scheduler
@@ -111,6 +179,14 @@ class SpeculativeLoop(StepLoop):
             return outputs
         eng.stamp_scheduled(batch)
         seeds = [eng.seed_of(req.request_id) for req in batch.requests]
+        if self.round.accepts(batch):  # decodes only: the whole round in one dispatch
+            inputs = self.round.prepare(batch, seeds, [len(r.output_token_ids) for r in batch.requests],
+                                        set(sched.requests))
+            flight = Flight(batch, self.round.dispatch(inputs), inputs.sampling.want_logprobs, start, compiles)
+            if self.overlap and eng.runner.policy.overlaps(batch.num_tokens):
+                self.flight = flight  # collected by the next step, after it dispatches the round that follows
+                return []
+            return self._collect(flight, trim=True)
         q_flat, q_index = None, np.zeros(len(batch.logits_indices), np.int32)
         if self.draft is not None:
             q_flat, q_index = self.draft.propose(batch, seeds, set(sched.requests))
@@ -126,8 +202,9 @@ class SpeculativeLoop(StepLoop):
         eng.record_step(batch, start, compiled)
         return outputs
 
-    def _commit(self, batch: RaggedBatch, result) -> list[RequestOutput]:
-        """Keep each request's accepted drafts and its own token, stop checks after each; roll back the rest."""
+    def _commit(self, batch: RaggedBatch, result, trim: bool = True) -> list[RequestOutput]:
+        """Keep each request's accepted drafts and its own token, stop checks after each; roll back the rest (its
+        pages too when `trim`; a round in flight may write into them otherwise)."""
         eng = self.engine
         sched, kv = eng.scheduler, eng.kv_manager
         now = eng.clock()
@@ -159,7 +236,8 @@ class SpeculativeLoop(StepLoop):
                 if out is None or out.finished:
                     break
             else:
-                kv.trim(req)
+                if trim:
+                    kv.trim(req)
             if out is not None:
                 outputs.append(out)
         return outputs

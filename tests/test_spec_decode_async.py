@@ -1,0 +1,113 @@
+"""Speculative decoding with async scheduling: the next round is dispatched, chained on the device to the round in
+flight, before that round is collected. Nothing a client sees may change: greedy output is plain decoding's (with
+chunked prefill, preemption, prefix hits and aborts in flight), and so is seeded output with n-gram lookup."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.core.batch import empty_batch
+from tests.hlo_checks import conditionals, dynamic_while_loops, host_round_trips
+from tests.test_spec_decode_engine import ARGS, DRAFT, GREEDY, NGRAM, _prompts, _run
+
+
+def _overlapped(config: dict) -> LLM:
+    llm = LLM("tiny", **ARGS, speculative_config=config, async_scheduling=True)
+    runner = llm.engine.runner  # overlap every round (a CPU's policy runs rounds wider than 8 tokens alone)
+    runner.policy = dataclasses.replace(runner.policy, overlap_max_tokens=None)
+    return llm
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return LLM("tiny", **ARGS)
+
+
+@pytest.fixture(scope="module", params=["ngram", "draft"])
+def spec(request):
+    return _overlapped(NGRAM if request.param == "ngram" else DRAFT)
+
+
+def _chained(llm: LLM) -> int:
+    return llm.engine.stats()["spec_decode_num_chained_rounds"]
+
+
+def test_greedy_output_is_unchanged_with_chunked_prefill_and_preemption(plain, spec):
+    prompts = _prompts(4, 72)
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    preempted, chained = spec.engine.counters["num_preemptions"], _chained(spec)
+    sched = spec.engine.scheduler
+    saved = sched.config.init_new_token_ratio, sched.config.min_new_token_ratio, sched.new_token_ratio
+    sched.config.init_new_token_ratio = sched.config.min_new_token_ratio = sched.new_token_ratio = 0.0
+    try:
+        assert _run(spec, prompts, params) == _run(plain, prompts, params)
+    finally:
+        sched.config.init_new_token_ratio, sched.config.min_new_token_ratio, sched.new_token_ratio = saved
+    assert spec.engine.counters["num_preemptions"] > preempted
+    # counted once each, though chained rounds run without a schedule() of their own
+    assert spec.engine.counters["num_preemptions"] == spec.engine.scheduler.num_preemptions
+    assert _chained(spec) > chained + 20  # most rounds were dispatched before the one before them was collected
+    assert spec.engine.kv_manager.num_used_pages == 0
+    spec.engine.scheduler.integrity_check()
+
+
+def test_greedy_output_is_unchanged_with_prefix_cache_hits(plain, spec):
+    shared = _prompts(1, 80, seed=1)[0]
+    prompts = [shared + [5, 6, 7], shared + [9]]
+    first = spec.generate(prompts[:1], GREEDY)[0]
+    second = spec.generate(prompts[1:], GREEDY)[0]
+    assert second.num_cached_tokens >= 64
+    assert [first.token_ids, second.token_ids] == _run(plain, prompts)
+
+
+def test_aborts_in_flight_leave_the_others_unchanged(plain, spec):
+    prompts = _prompts(3, 70, seed=4)
+    want = _run(plain, prompts)
+    eng = spec.engine
+    for i, p in enumerate(prompts):
+        eng.add_request(f"abort-{i}", p, GREEDY)
+    done, aborted = {}, False
+    for _ in range(400):
+        if not eng.has_unfinished_requests():
+            break
+        if not aborted and spec.engine.loop.flight is not None and _chained(spec) > 2:  # a round in flight
+            assert eng.abort_request("abort-1").finish_reason == "abort"
+            aborted = True
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+        eng.scheduler.integrity_check()
+    assert aborted and done == {"abort-0": want[0], "abort-2": want[2]}
+    assert eng.kv_manager.num_used_pages == 0
+
+
+def test_stops_inside_a_chained_round_cut_there(plain, spec):
+    prompt = _prompts(1, 60, seed=9)
+    ref = _run(plain, prompt)[0]
+    params = SamplingParams(temperature=0, max_tokens=48, stop_token_ids=[ref[20]], ignore_eos=True)
+    out = spec.generate(prompt, params)[0]
+    assert out.token_ids == ref[: ref.index(ref[20]) + 1] and out.finish_reason == "stop"
+    assert spec.engine.kv_manager.num_used_pages == 0
+
+
+def test_seeded_ngram_output_is_plain_decodings(plain):
+    ngram = _overlapped(NGRAM)
+    prompts = _prompts(3, 50, seed=6)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=11 + i, max_tokens=24, ignore_eos=True)
+              for i in range(3)]
+    assert _run(ngram, prompts, params) == _run(plain, prompts, params)
+    before = ngram.engine.compile_count()
+    outs = ngram.generate(prompts, SamplingParams(temperature=0.7, max_tokens=20, logprobs=2))
+    assert all(len(o.outputs[0].logprobs) == len(o.token_ids) for o in outs)
+    assert ngram.engine.compile_count() == before
+    assert np.all([o.metrics.spec_num_steps > 0 for o in outs])
+
+
+def test_a_round_holds_no_branch_and_no_device_bound_loop(spec):
+    # draft forward, k draws, verify forward, acceptance and carry: one program the device runs without the host
+    rnd = spec.engine.loop.round
+    empty = dataclasses.replace(empty_batch(), num_drafts=np.zeros(0, np.int32))
+    text = rnd.lower(rnd.prepare(empty, [], [], set(), size=rnd.sizes[-1])).as_text()
+    assert conditionals(text) == [] and dynamic_while_loops(text) == [] and host_round_trips(text) == []
