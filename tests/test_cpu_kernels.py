@@ -63,9 +63,11 @@ def test_a_built_library_is_reused(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_kernels.subprocess, "run", fake_run)
     monkeypatch.setattr(cpu_kernels, "_compiler", lambda: "c++")
     first = cpu_kernels.build(tmp_path)
+    built = len(compiles)
+    assert built == len(cpu_kernels.SOURCES) + 1  # each source into an object, then one link
     stamp = os.stat(first).st_mtime_ns
     assert cpu_kernels.build(tmp_path) == first and os.stat(first).st_mtime_ns == stamp
-    assert len(compiles) == 1  # the second call found the library
+    assert len(compiles) == built  # the second call found the library and ran no compiler
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left behind
 
 
