@@ -17,9 +17,8 @@ from typing import Any
 import click
 import uvicorn
 
+from jaxserve.cli.disagg_flags import disaggregation_from_options, disaggregation_options
 from jaxserve.cli.engine_flags import config_from_options, parse_bytes, serving_engine_options
-from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.server.app import build_app
 from jaxserve.server.limits import ServerLimits
 from jaxserve.server.transport import tune_interpreter, uvicorn_config
 
@@ -85,6 +84,7 @@ def _limit_options(f: Any) -> Any:
 @click.command("serve")
 @serving_engine_options
 @_limit_options
+@disaggregation_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on.")
 @click.option("--served-model-name", default=None, help="Model name clients use (default: --model).")
@@ -102,6 +102,7 @@ def serve(host: str, port: int, served_model_name: str | None, log_interval: flo
         limits = ServerLimits(**{k: options.pop(k) for k in names})
     except ValueError as e:  # e.g. an empty --api-key
         raise click.UsageError(str(e)) from None
+    role = disaggregation_from_options(options)
     config = config_from_options(options, served_model_name=served_model_name)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jaxserve").setLevel(logging.INFO)
@@ -110,11 +111,11 @@ def serve(host: str, port: int, served_model_name: str | None, log_interval: flo
     # Only process 0 serves; the followers of a multi-host mesh never return from building the engine.
     sock = _listen(host, port) if config.process_id == 0 else None
     try:
-        engine = AsyncEngine(config)
+        engine = role.engine(config, host)
     except ValueError as e:  # e.g. an unknown model name or a pool too small for one sequence
         raise click.UsageError(str(e)) from None
     engine.start()
-    app = build_app(engine, log_interval=log_interval, limits=limits)
+    app = role.app(engine, log_interval=log_interval, limits=limits)
     tune_interpreter()
 
     class _Server(uvicorn.Server):
