@@ -16,6 +16,7 @@ import click
 COMMANDS = {
     "plan": "jaxserve.cli.plan:plan",
     "serve": "jaxserve.cli.serve:serve",
+    "router": "jaxserve.cli.router:router",
     "generate": "jaxserve.cli.generate:generate",
     "bench": "jaxserve.cli.bench:bench",
     "calibrate": "jaxserve.cli.calibrate:calibrate_command",
