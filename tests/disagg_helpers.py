@@ -1,0 +1,89 @@
+"""A prefill server, a decode server and a router, live on loopback: in this process (fast) or as processes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+from server_helpers import LiveServer, free_port
+
+from jaxserve.config.engine import EngineConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+# No warm-up: the tests compile only the buckets they use.
+ENGINE_ARGS = dict(model="tiny", max_num_seqs=16, max_num_batched_tokens=128, chunk_size=64, page_size=16,
+                   kv_cache_memory=8 * 2**20, max_model_len=1024, warmup=False)
+ENGINE_FLAGS = ["--model", "tiny", "--max-num-seqs", "64", "--max-num-batched-tokens", "128", "--chunk-size", "64",
+                "--kv-cache-memory", "16MiB", "--max-model-len", "1024"]
+
+
+@contextlib.contextmanager
+def role_server(mode: str | None, **overrides) -> Iterator[LiveServer]:
+    """One server of `mode` (None, "prefill", "decode") built as `jaxserve serve` builds it, live in a thread."""
+    from jaxserve.disagg.roles import DisaggregationConfig
+
+    role = DisaggregationConfig(mode=mode, kv_transfer_timeout=30.0)
+    engine = role.engine(EngineConfig(**{**ENGINE_ARGS, **overrides}), "127.0.0.1")
+    engine.start()
+    try:
+        with LiveServer(role.app(engine)) as live:
+            live.engine = engine
+            yield live
+    finally:
+        engine.shutdown()
+
+
+@contextlib.contextmanager
+def router_server(**flags) -> Iterator[LiveServer]:
+    from jaxserve.router.app import RouterConfig, build_router_app
+
+    with LiveServer(build_router_app(RouterConfig(**flags))) as live:
+        yield live
+
+
+def launch(*args: str) -> subprocess.Popen:
+    """`jaxserve ARGS...` as a process importing this tree; its stderr goes to a file beside it (read on failure)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    log = open(f"/tmp/jaxserve-disagg-test-{os.getpid()}-{free_port()}.log", "w")  # noqa: SIM115 (lives with proc)
+    return subprocess.Popen([sys.executable, "-m", "jaxserve", *args], stdout=log, stderr=log, env=env, cwd=ROOT)
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"{url} exited with {proc.returncode}"
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not ready in {timeout} s")
+
+
+def complete(url: str, prompt: str, **body) -> list[str]:
+    """The completion's tokens (as logprobs name them), through the whole-response API."""
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "logprobs": 0, "ignore_eos": True, **body},
+                   timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["logprobs"]["tokens"]
+
+
+def stream(url: str, prompt: str, **body) -> tuple[str, list[dict]]:
+    """A streamed completion: its text, and every event (an error event included)."""
+    events, text = [], ""
+    payload = {"prompt": prompt, "stream": True, "ignore_eos": True, **body}
+    with httpx.stream("POST", f"{url}/v1/completions", json=payload, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                import json
+
+                event = json.loads(line[6:])
+                events.append(event)
+                text += "".join(c.get("text", "") for c in event.get("choices", []))
+    return text, events

@@ -1,0 +1,84 @@
+"""Disaggregated serving across servers, fast: a prefill server, a decode server and the router in this process
+(the KV moved by jax.experimental.transfer over loopback) give the colocated engine's tokens. The process-level
+cases (kills, many streams) are in test_disagg_processes.py (-m slow)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import httpx
+import pytest
+from disagg_helpers import ENGINE_ARGS, complete, role_server, router_server, stream
+
+from jaxserve import LLM
+from jaxserve.core.sampling_params import SamplingParams
+
+PROMPTS = ["To be, or not to be, that is the question", "Now is the winter of our discontent " * 12, "O"]
+
+
+@pytest.fixture(scope="module")
+def stack():
+    with role_server("prefill") as prefill, role_server("decode") as decode, router_server(
+            pd_disaggregation=True, prefill_urls=(prefill.url,), decode_urls=(decode.url,)) as router:
+        yield prefill, decode, router
+
+
+@pytest.fixture(scope="module")
+def colocated():
+    return LLM(**ENGINE_ARGS)
+
+
+def _tokens(llm: LLM, prompt: str, **params) -> list[int]:
+    out = llm.generate([prompt], SamplingParams(ignore_eos=True, **params))[0]
+    return out.outputs[0].token_ids
+
+
+def test_greedy_and_seeded_tokens_equal_the_colocated_engines(stack, colocated):
+    prefill, decode, router = stack
+    for prompt in PROMPTS:
+        for params in (dict(temperature=0.0, max_tokens=12), dict(temperature=1.0, seed=11, max_tokens=12)):
+            r = httpx.post(f"{router.url}/v1/completions", json={"prompt": prompt, "ignore_eos": True, **params},
+                           timeout=120).json()
+            want = colocated.tokenizer.decode(_tokens(colocated, prompt, **params))
+            assert r["choices"][0]["text"] == want, (prompt, params)
+    exporter = prefill.engine.exporter
+    assert exporter.counters["kv_exports"] >= 2 * len(PROMPTS)  # every prompt was prefilled there
+    stats = decode.engine.stats()
+    assert stats["kv_imports"] >= 2 * len(PROMPTS) and stats["prompt_tokens"] > 0
+
+
+def test_a_stream_through_the_router_matches_the_whole_response(stack):
+    _, _, router = stack
+    whole = complete(router.url, PROMPTS[0], temperature=0.0, max_tokens=10)
+    text, events = stream(router.url, PROMPTS[0], temperature=0.0, max_tokens=10)
+    assert text == "".join(whole) and not any("error" in e for e in events)
+
+
+def test_concurrent_streams_all_finish(stack):
+    _, decode, router = stack
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda i: stream(router.url, f"request {i} " * (i + 1), max_tokens=6),
+                                range(16)))
+    assert all(len(events) >= 1 and events[-1]["choices"][0]["finish_reason"] == "length"
+               for _, events in results)
+    assert decode.engine.engine.stats()["num_running"] == 0
+
+
+def test_the_decode_server_prefills_itself_what_cannot_move(stack, colocated):
+    """Prompt logprobs stay where the prompt runs: such a request is prefilled on the decode server."""
+    _, decode, router = stack
+    before = decode.engine.stats()["kv_imports"]
+    r = httpx.post(f"{router.url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0,
+                                                         "prompt_logprobs": 1, "ignore_eos": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == colocated.tokenizer.decode(_tokens(colocated, PROMPTS[0],
+                                                                                 temperature=0.0, max_tokens=4))
+    assert decode.engine.stats()["kv_imports"] == before
+
+
+def test_a_dead_prefill_server_is_a_clear_503_not_a_hang(stack):
+    _, decode, _ = stack
+    r = httpx.post(f"{decode.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                   headers={"X-Jaxserve-Prefill": "http://127.0.0.1:9"}, timeout=60)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "prefill_unavailable"
+    assert "127.0.0.1:9" in r.json()["error"]["message"]
