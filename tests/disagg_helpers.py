@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -19,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # No warm-up: the tests compile only the buckets they use.
 ENGINE_ARGS = dict(model="tiny", max_num_seqs=16, max_num_batched_tokens=128, chunk_size=64, page_size=16,
                    kv_cache_memory=8 * 2**20, max_model_len=1024, warmup=False)
-ENGINE_FLAGS = ["--model", "tiny", "--max-num-seqs", "64", "--max-num-batched-tokens", "128", "--chunk-size", "64",
-                "--kv-cache-memory", "16MiB", "--max-model-len", "1024"]
+ENGINE_FLAGS = ["--model", "tiny", "--max-num-seqs", "16", "--max-num-batched-tokens", "128", "--chunk-size", "64",
+                "--block-size", "16", "--kv-cache-memory", "8MiB", "--max-model-len", "1024"]
 
 
 @contextlib.contextmanager
@@ -50,8 +51,11 @@ def router_server(**flags) -> Iterator[LiveServer]:
 def launch(*args: str) -> subprocess.Popen:
     """`jaxserve ARGS...` as a process importing this tree; its stderr goes to a file beside it (read on failure)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    log = open(f"/tmp/jaxserve-disagg-test-{os.getpid()}-{free_port()}.log", "w")  # noqa: SIM115 (lives with proc)
-    return subprocess.Popen([sys.executable, "-m", "jaxserve", *args], stdout=log, stderr=log, env=env, cwd=ROOT)
+    path = Path(f"/tmp/jaxserve-disagg-test-{os.getpid()}-{free_port()}.log")
+    with open(path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "jaxserve", *args], stdout=log, stderr=log, env=env, cwd=ROOT)
+    proc.log_path = path
+    return proc
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
@@ -81,8 +85,6 @@ def stream(url: str, prompt: str, **body) -> tuple[str, list[dict]]:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                import json
-
                 event = json.loads(line[6:])
                 events.append(event)
                 text += "".join(c.get("text", "") for c in event.get("choices", []))

@@ -45,7 +45,8 @@ class _ExportingScheduler(Scheduler):
         self.exporter = exporter
 
     def finish_request(self, req: EngineRequest, status: RequestStatus) -> None:
-        if status != RequestStatus.FINISHED_ABORTED and self.requests.get(req.request_id) is req:
+        if (status != RequestStatus.FINISHED_ABORTED and self.requests.get(req.request_id) is req
+                and self.exporter.wants(req.request_id)):
             self.exporter.export(req, self.kv.pages_for(req.num_computed_tokens))
         super().finish_request(req, status)
 
@@ -57,10 +58,20 @@ class KVExporter:
         self.engine, self.endpoint, self.timeout_s = engine, endpoint, timeout_s
         self._lock = threading.Lock()
         self._handles: dict[str, KVHandle] = {}
+        self._wanted: set[str] = set()  # requests of the prefill route (plain completions export nothing)
         self.counters = {"kv_exports": 0, "kv_export_bytes": 0}
         engine.scheduler = _ExportingScheduler(engine.scheduler, self)
         if engine.config.warmup:
             engine.runner.warmup_transfer(engine.spec.num_kv_heads, insert=False)
+
+    def want(self, request_id: str) -> None:
+        """Export the KV of `request_id` when it finishes (called before it is submitted)."""
+        with self._lock:
+            self._wanted.add(request_id)
+
+    def wants(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._wanted
 
     def export(self, req: EngineRequest, num_pages: int) -> None:
         """Offer the KV of `req`'s computed tokens (called before its pages are released)."""
@@ -77,7 +88,9 @@ class KVExporter:
             self.counters["kv_export_bytes"] += int(block.nbytes)
 
     def take(self, request_id: str) -> KVHandle | None:
+        """The handle of a finished request's offered KV (None if it was aborted); forgets the request."""
         with self._lock:
+            self._wanted.discard(request_id)
             return self._handles.pop(request_id, None)
 
 
@@ -98,6 +111,7 @@ def install_prefill_routes(app: FastAPI, engine: AsyncEngine, exporter: KVExport
         except (ValueError, TypeError, KeyError) as e:
             raise APIError(400, f"bad prefill request: {e}", None, "invalid_value") from None
         rid = new_request_id("prefill")
+        exporter.want(rid)
         final = None
         try:
             async for out in engine.generate(rid, ids, params, body.cache_salt, prompt_token_ids=ids):
@@ -106,7 +120,8 @@ def install_prefill_routes(app: FastAPI, engine: AsyncEngine, exporter: KVExport
             raise APIError(400, str(e), None, "invalid_value") from None
         except EngineDeadError as e:
             raise APIError(503, str(e), type_="service_unavailable") from None
-        handle = exporter.take(rid)
+        finally:
+            handle = exporter.take(rid)
         if final is None or handle is None or final.outputs[0].finish_reason == "abort":
             raise APIError(503, "the prefill was aborted", None, "prefill_aborted", type_="service_unavailable")
         completion = final.outputs[0]
