@@ -100,7 +100,8 @@ def install_prefill_routes(app: FastAPI, engine: AsyncEngine, exporter: KVExport
 
     @app.get(INFO_PATH)
     async def info() -> dict[str, Any]:
-        return {"role": "prefill", "layout": layout.to_json(), "transfer_address": exporter.endpoint.address}
+        return {"role": "prefill", "layout": layout.to_json(), "transfer_address": exporter.endpoint.address,
+                "counters": dict(exporter.counters)}
 
     @app.post(PREFILL_PATH)
     async def prefill(request: Request) -> JSONResponse:

@@ -76,6 +76,7 @@ class RemotePrefill:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 5.0)),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self._checked: set[str] = set()  # prefill servers whose layout matched
+        self.counters = {"kv_pulls": 0, "kv_pull_bytes": 0, "kv_pull_seconds": 0.0, "prefill_failures": 0}
 
     async def _check_layout(self, url: str) -> None:
         if url in self._checked:
@@ -107,11 +108,16 @@ class RemotePrefill:
                 block = None
                 if answer.kv is not None:
                     kv = answer.kv.reachable_from(urlsplit(url).hostname or "127.0.0.1")
+                    pulled = time.perf_counter()
                     block = await asyncio.to_thread(self.endpoint.pull, kv.address, kv.uuid, kv.shape, kv.dtype,
                                                     self.timeout_s)
+                    self.counters["kv_pulls"] += 1
+                    self.counters["kv_pull_bytes"] += int(block.nbytes)
+                    self.counters["kv_pull_seconds"] += time.perf_counter() - pulled
                 num_tokens = answer.kv.num_tokens if answer.kv is not None else len(ids)
                 return Arrival(block, num_tokens, answer.first_token, answer.logprobs, time.perf_counter() - start)
             except (httpx.HTTPError, RuntimeError, PrefillUnavailable, KeyError, ValueError) as e:
+                self.counters["prefill_failures"] += 1
                 reason = f"{url}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                 log.warning("prefill on %s failed for %s (%s); trying the next", url, request_id, reason)
         raise APIError(503, f"no prefill server could run this prompt ({reason})", None, "prefill_unavailable",

@@ -88,7 +88,10 @@ class DisaggregationConfig:
 
             @app.get(INFO_PATH)
             async def info() -> dict[str, Any]:
-                return {"role": "decode", "layout": layout.to_json(), "prefill_urls": list(engine.prefill_urls)}
+                stats = engine.stats()
+                counters = {k: stats[k] for k in ("kv_imports", "kv_import_bytes", "kv_insert_seconds")}
+                return {"role": "decode", "layout": layout.to_json(), "prefill_urls": list(engine.prefill_urls),
+                        "counters": {**counters, **engine.remote.counters}}
         return app
 
 
