@@ -18,8 +18,11 @@ PROMPTS = ["To be, or not to be, that is the question", "Now is the winter of ou
 
 @pytest.fixture(scope="module")
 def stack():
-    with role_server("prefill") as prefill, role_server("decode") as decode, router_server(
-            pd_disaggregation=True, prefill_urls=(prefill.url,), decode_urls=(decode.url,)) as router:
+    """A prefill server, a decode server pulling chunk by chunk (the router's), one pulling whole prompts."""
+    with (role_server("prefill") as prefill, role_server("decode") as decode,
+          role_server("decode", chunked_transfer=False) as whole,
+          router_server(pd_disaggregation=True, prefill_urls=(prefill.url,), decode_urls=(decode.url,)) as router):
+        router.whole = whole
         yield prefill, decode, router
 
 
@@ -35,16 +38,19 @@ def _tokens(llm: LLM, prompt: str, **params) -> list[int]:
 
 def test_greedy_and_seeded_tokens_equal_the_colocated_engines(stack, colocated):
     prefill, decode, router = stack
+    exports = prefill.engine.exporter.counters["kv_exports"]
+    direct = {"X-Jaxserve-Prefill": prefill.url}
     for prompt in PROMPTS:
         for params in (dict(temperature=0.0, max_tokens=12), dict(temperature=1.0, seed=11, max_tokens=12)):
-            r = httpx.post(f"{router.url}/v1/completions", json={"prompt": prompt, "ignore_eos": True, **params},
-                           timeout=120).json()
             want = colocated.tokenizer.decode(_tokens(colocated, prompt, **params))
-            assert r["choices"][0]["text"] == want, (prompt, params)
-    exporter = prefill.engine.exporter
-    assert exporter.counters["kv_exports"] >= 2 * len(PROMPTS)  # every prompt was prefilled there
-    stats = decode.engine.stats()
-    assert stats["kv_imports"] >= 2 * len(PROMPTS) and stats["prompt_tokens"] > 0
+            for url, headers in ((router.url, {}), (router.whole.url, direct)):
+                r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "ignore_eos": True, **params},
+                               headers=headers, timeout=120).json()
+                assert r["choices"][0]["text"] == want, (prompt, params, url)
+    for server in (decode, router.whole):  # every prompt was prefilled on the prefill server and moved
+        assert server.engine.stats()["kv_imports"] == 2 * len(PROMPTS)
+    # Chunk by chunk, the long prompt moved in several blocks; whole, every prompt in one.
+    assert prefill.engine.exporter.counters["kv_exports"] - exports > 4 * len(PROMPTS)
 
 
 def test_a_stream_through_the_router_matches_the_whole_response(stack):

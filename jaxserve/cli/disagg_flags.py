@@ -9,7 +9,8 @@ import click
 
 from jaxserve.disagg.roles import DisaggregationConfig
 
-NAMES = ("disaggregation_mode", "disaggregation_transfer_port", "kv_transfer_timeout", "prefill_urls")
+NAMES = ("disaggregation_mode", "disaggregation_transfer_port", "kv_transfer_timeout", "prefill_urls",
+         "disaggregation_chunked_transfer")
 
 
 def disaggregation_options(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -30,6 +31,10 @@ def disaggregation_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--prefill-url", "prefill_urls", multiple=True,
                      help="With --disaggregation-mode decode: a prefill server's base URL, used when the router "
                           "names none (repeat for several, tried in order)."),
+        click.option("--disaggregation-chunked-transfer/--no-disaggregation-chunked-transfer",
+                     default=d.chunked_transfer, show_default=True,
+                     help="With --disaggregation-mode decode: pull each prefill chunk's KV while the next chunks "
+                          "compute (off: the whole prompt's KV once it has run)."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -43,6 +48,7 @@ def disaggregation_from_options(options: dict[str, Any]) -> DisaggregationConfig
     try:
         return DisaggregationConfig(mode=mode, transfer_port=values["disaggregation_transfer_port"],
                                     kv_transfer_timeout=values["kv_transfer_timeout"],
-                                    prefill_urls=tuple(u.rstrip("/") for u in values["prefill_urls"]))
+                                    prefill_urls=tuple(u.rstrip("/") for u in values["prefill_urls"]),
+                                    chunked_transfer=values["disaggregation_chunked_transfer"])
     except ValueError as e:
         raise click.UsageError(str(e)) from None

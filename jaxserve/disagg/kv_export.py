@@ -1,22 +1,29 @@
-"""The prefill role: run prompts, offer each finished prompt's KV to the decode server that asked for it.
+"""The prefill role: run prompts, offer each prompt's KV to the decode server that asked for it.
 
-A prefill server is today's engine (chunked prefill, prefix caching) whose scheduler, when a request leaves it,
-first gathers the request's KV pages into one block (the model's own KV heads only, so TP replicas are never
-shipped) and offers it to this process's transfer server. The pages themselves are then released as usual (full
-ones stay in the prefix cache); the block is held until the decode side pulls it, or until `timeout_s` passes and
-the transfer server frees it, so a decode server that dies before pulling leaks nothing.
+A prefill server is today's engine (chunked prefill, prefix caching) whose scheduler, when a request asked for by
+a decode server leaves it, first gathers the request's KV pages into one block (the model's own KV heads only, so
+TP replicas are never shipped) and offers it to this process's transfer server; asked for `chunked`, it offers the
+pages each prefill step completed right after that step, so they move while later chunks compute. The pages
+themselves are released as usual (full ones stay in the prefix cache); a block is held until the decode side pulls
+it, or until `timeout_s` passes and the transfer server frees it, so a decode server that dies before pulling
+leaks nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from jaxserve.core.batch import RaggedBatch
 from jaxserve.core.request import Request as EngineRequest
 from jaxserve.core.request import RequestStatus
 from jaxserve.disagg.protocol import INFO_PATH, PREFILL_PATH, KVHandle, KVLayout, PrefillRequest, PrefillResponse
@@ -38,60 +45,108 @@ def kv_layout(engine: LLMEngine) -> KVLayout:
 
 
 class _ExportingScheduler(Scheduler):
-    """The prefill engine's scheduler: a request that finishes (not aborted) has its KV exported first."""
+    """The prefill engine's scheduler: a wanted request's computed pages are exported after each step (chunked)
+    or when it finishes (whole), before its pages are released."""
 
     def __init__(self, base: Scheduler, exporter: KVExporter) -> None:
         super().__init__(base.config, base.kv)
         self.exporter = exporter
 
+    def update_after_step(self, batch: RaggedBatch, sampled_token_ids: Sequence[int] | np.ndarray) -> list[Any]:
+        out = super().update_after_step(batch, sampled_token_ids)
+        for req in batch.requests:
+            if self.requests.get(req.request_id) is req and self.exporter.chunked(req.request_id):
+                self.exporter.export(req, final=req.num_computed_tokens >= req.num_prompt_tokens)
+        return out
+
     def finish_request(self, req: EngineRequest, status: RequestStatus) -> None:
         if (status != RequestStatus.FINISHED_ABORTED and self.requests.get(req.request_id) is req
                 and self.exporter.wants(req.request_id)):
-            self.exporter.export(req, self.kv.pages_for(req.num_computed_tokens))
+            self.exporter.export(req, final=True)
         super().finish_request(req, status)
 
 
+@dataclass
+class _Export:
+    """One wanted request's export: its handles so far, how many of its pages they cover, who is told of each."""
+
+    notify: Callable[[KVHandle], None] | None  # chunked: called (on the engine thread) with each new handle
+    handles: list[KVHandle] = field(default_factory=list)
+    pages: int = 0
+
+
 class KVExporter:
-    """Gathers finished prompts' KV on the engine thread and offers it; handlers `take` the handle by request id."""
+    """Gathers wanted requests' KV on the engine thread and offers it; handlers `take` the handles by request id."""
 
     def __init__(self, engine: LLMEngine, endpoint: TransferEndpoint, timeout_s: float) -> None:
         self.engine, self.endpoint, self.timeout_s = engine, endpoint, timeout_s
         self._lock = threading.Lock()
-        self._handles: dict[str, KVHandle] = {}
-        self._wanted: set[str] = set()  # requests of the prefill route (plain completions export nothing)
+        self._wanted: dict[str, _Export] = {}  # requests of the prefill route (plain completions export nothing)
         self.counters = {"kv_exports": 0, "kv_export_bytes": 0}
         engine.scheduler = _ExportingScheduler(engine.scheduler, self)
         if engine.config.warmup:
             engine.runner.warmup_transfer(engine.spec.num_kv_heads, insert=False)
 
-    def want(self, request_id: str) -> None:
-        """Export the KV of `request_id` when it finishes (called before it is submitted)."""
+    def want(self, request_id: str, notify: Callable[[KVHandle], None] | None = None) -> None:
+        """Export the KV of `request_id`: chunk by chunk to `notify` when given, else whole when it finishes."""
         with self._lock:
-            self._wanted.add(request_id)
+            self._wanted[request_id] = _Export(notify)
 
     def wants(self, request_id: str) -> bool:
         with self._lock:
             return request_id in self._wanted
 
-    def export(self, req: EngineRequest, num_pages: int) -> None:
-        """Offer the KV of `req`'s computed tokens (called before its pages are released)."""
+    def chunked(self, request_id: str) -> bool:
+        with self._lock:
+            e = self._wanted.get(request_id)
+            return e is not None and e.notify is not None
+
+    def export(self, req: EngineRequest, final: bool) -> None:
+        """Offer `req`'s computed pages not offered yet: full pages only, unless `final` (its prompt is done)."""
+        with self._lock:
+            e = self._wanted.get(req.request_id)
+        if e is None:
+            return
+        n, page_size = req.num_computed_tokens, self.engine.config.page_size
+        upto = -(-n // page_size) if final else n // page_size
+        if upto <= e.pages:
+            return
         runner = self.engine.runner
-        block = runner.gather_pages(req.page_ids[:num_pages], self.engine.spec.num_kv_heads)
+        block = runner.gather_pages(req.page_ids[e.pages:upto], self.engine.spec.num_kv_heads)
         if runner.mesh is not None:  # one device's copy: the decode side re-lays heads for its own TP degree
             block = jax.device_put(block, self.endpoint.device)
         uuid = self.endpoint.offer(block, self.timeout_s)
-        handle = KVHandle(self.endpoint.address, uuid, tuple(block.shape), str(block.dtype),
-                          req.num_computed_tokens)
+        handle = KVHandle(self.endpoint.address, uuid, tuple(block.shape), str(block.dtype), n, e.pages, upto - e.pages)
+        e.pages = upto
         with self._lock:
-            self._handles[req.request_id] = handle
+            e.handles.append(handle)
             self.counters["kv_exports"] += 1
             self.counters["kv_export_bytes"] += int(block.nbytes)
+        if e.notify is not None:
+            e.notify(handle)
 
-    def take(self, request_id: str) -> KVHandle | None:
-        """The handle of a finished request's offered KV (None if it was aborted); forgets the request."""
+    def take(self, request_id: str) -> list[KVHandle]:
+        """The handles of a request's offered KV (empty if it was aborted first); forgets the request."""
         with self._lock:
-            self._wanted.discard(request_id)
-            return self._handles.pop(request_id, None)
+            e = self._wanted.pop(request_id, None)
+            return [] if e is None else list(e.handles)
+
+
+def _answer(final: Any, last: KVHandle | None) -> PrefillResponse:
+    if final is None or final.outputs[0].finish_reason == "abort":
+        raise APIError(503, "the prefill was aborted", None, "prefill_aborted", type_="service_unavailable")
+    completion = final.outputs[0]
+    return PrefillResponse(completion.token_ids[0], completion.logprobs[0] if completion.logprobs else None, last)
+
+
+def _api_error(e: Exception) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ValueError):  # too long for this server, and the like: the client's fault
+        return APIError(400, str(e), None, "invalid_value")
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), type_="service_unavailable")
+    return APIError(500, f"prefill failed ({type(e).__name__})")
 
 
 def install_prefill_routes(app: FastAPI, engine: AsyncEngine, exporter: KVExporter, max_body_bytes: int) -> None:
@@ -104,7 +159,7 @@ def install_prefill_routes(app: FastAPI, engine: AsyncEngine, exporter: KVExport
                 "counters": dict(exporter.counters)}
 
     @app.post(PREFILL_PATH)
-    async def prefill(request: Request) -> JSONResponse:
+    async def prefill(request: Request) -> Response:
         try:
             body = PrefillRequest.from_json(json.loads(await read_body(request, max_body_bytes)))
             ids = engine.engine.tokenize_prompt(body.prompt_token_ids)  # checks the ids against the vocabulary
@@ -112,19 +167,53 @@ def install_prefill_routes(app: FastAPI, engine: AsyncEngine, exporter: KVExport
         except (ValueError, TypeError, KeyError) as e:
             raise APIError(400, f"bad prefill request: {e}", None, "invalid_value") from None
         rid = new_request_id("prefill")
-        exporter.want(rid)
-        final = None
-        try:
+
+        async def run() -> Any:
+            final = None
             async for out in engine.generate(rid, ids, params, body.cache_salt, prompt_token_ids=ids):
                 final = out
-        except ValueError as e:  # too long for this server, and the like: the client's fault
-            raise APIError(400, str(e), None, "invalid_value") from None
-        except EngineDeadError as e:
-            raise APIError(503, str(e), type_="service_unavailable") from None
-        finally:
-            handle = exporter.take(rid)
-        if final is None or handle is None or final.outputs[0].finish_reason == "abort":
-            raise APIError(503, "the prefill was aborted", None, "prefill_aborted", type_="service_unavailable")
-        completion = final.outputs[0]
-        logprobs = completion.logprobs[0] if completion.logprobs else None
-        return JSONResponse(PrefillResponse(completion.token_ids[0], logprobs, handle).to_json())
+            return final
+
+        if not body.chunked:
+            exporter.want(rid)
+            try:
+                final = await run()
+            except Exception as e:
+                raise _api_error(e) from None
+            finally:
+                handles = exporter.take(rid)
+            return JSONResponse(_answer(final, handles[-1] if handles else None).to_json())
+        return StreamingResponse(_chunks(run, rid, exporter), media_type="application/x-ndjson")
+
+
+async def _chunks(run: Callable[[], Any], rid: str, exporter: KVExporter) -> AsyncIterator[str]:
+    """The chunked answer: a line per offered block as the engine offers it, then the first token's line."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    exporter.want(rid, lambda h: loop.call_soon_threadsafe(queue.put_nowait, h))
+
+    async def finish() -> None:  # after the engine's last offer: its callbacks were queued before the output
+        try:
+            queue.put_nowait(("done", await run()))
+        except Exception as e:
+            queue.put_nowait(("error", e))
+
+    task = asyncio.create_task(finish())
+    try:
+        while True:
+            item = await queue.get()
+            if isinstance(item, KVHandle):
+                yield json.dumps({"chunk": item.to_json()}) + "\n"
+                continue
+            kind, value = item
+            try:
+                if kind == "error":
+                    raise _api_error(value)
+                line = {"done": _answer(value, None).to_json()}
+            except APIError as e:
+                line = {"error": {**e.body()["error"], "status": e.status}}
+            yield json.dumps(line) + "\n"
+            return
+    finally:
+        task.cancel()
+        exporter.take(rid)

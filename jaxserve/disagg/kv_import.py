@@ -29,9 +29,9 @@ from jaxserve.scheduler.scheduler import Scheduler
 
 @dataclass
 class Arrival:
-    """A request's prefill, done elsewhere: its KV block (None: nothing to insert), prompt length, first token."""
+    """A request's prefill, done elsewhere: its KV blocks (first page, pages, block), prompt length, first token."""
 
-    block: jax.Array | None
+    blocks: list[tuple[int, int, jax.Array]]
     num_tokens: int
     first_token: int
     logprobs: dict[int, float] | None
@@ -119,11 +119,12 @@ class DecodeEngine(LLMEngine):
                 break
             self._held.popleft()
             start = time.perf_counter()
-            if arrival.block is not None:
-                self.runner.insert_pages(self.runner.put_pages(arrival.block), req.page_ids)
+            for first, num_pages, block in arrival.blocks:
+                self.runner.insert_pages(self.runner.put_pages(block), req.page_ids[first:first + num_pages])
+                self.counters["kv_import_bytes"] += int(block.nbytes)
+            if arrival.blocks:
                 jax.block_until_ready(self.runner.kv_caches)
                 self.counters["kv_imports"] += 1
-                self.counters["kv_import_bytes"] += int(arrival.block.nbytes)
             self.counters["kv_import_seconds"] += arrival.seconds
             self.counters["kv_insert_seconds"] += time.perf_counter() - start
             outputs.append(self._first_token(tracked, arrival))

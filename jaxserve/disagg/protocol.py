@@ -6,8 +6,10 @@
    parameters that draw the first token (the seed fixed by the decode side, so both draw one stream).
 3. The prefill server runs the prompt (chunked, prefix-cached), gathers the prompt's KV pages into one block, offers
    it to its transfer server under a fresh uuid (held until pulled or `timeout_s` passes), and answers a
-   `PrefillResponse`: the first token, its logprobs, and a `KVHandle` (where and what to pull).
-4. The decode server pulls the block with `jax.experimental.transfer`, writes it into its own pool, and decodes.
+   `PrefillResponse`: the first token, its logprobs, and a `KVHandle` (where and what to pull). With `chunked`, the
+   answer is NDJSON: after each prefill step, a line `{"chunk": handle}` offers the pages that step completed, so
+   the decode side pulls them while later chunks compute; the last line is `{"done": response}` (or `{"error"}`).
+4. The decode server pulls the blocks with `jax.experimental.transfer`, writes them into its own pool, and decodes.
 
 The router names the prefill servers a request may use in the `X-Jaxserve-Prefill` header (comma-separated base
 URLs, tried in order); a decode server without one falls back to its `--prefill-url`s, then to prefilling locally.
@@ -67,16 +69,18 @@ class KVHandle:
     uuid: int
     shape: tuple[int, ...]
     dtype: str
-    num_tokens: int  # tokens whose KV the block holds (the prompt)
+    num_tokens: int  # the prompt's tokens whose KV is in the pages up to this block's last
+    first_page: int = 0  # where the block's pages go in the request's page table
+    num_pages: int = 0  # pages of the block that hold KV (the rest pad it to a bucket)
 
     def to_json(self) -> dict[str, Any]:
         return {"address": self.address, "uuid": self.uuid, "shape": list(self.shape), "dtype": self.dtype,
-                "num_tokens": self.num_tokens}
+                "num_tokens": self.num_tokens, "first_page": self.first_page, "num_pages": self.num_pages}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> KVHandle:
         return cls(str(d["address"]), int(d["uuid"]), tuple(int(x) for x in d["shape"]), str(d["dtype"]),
-                   int(d["num_tokens"]))
+                   int(d["num_tokens"]), int(d.get("first_page", 0)), int(d.get("num_pages", 0)))
 
     def reachable_from(self, prefill_host: str) -> KVHandle:
         """This handle with an unspecified bind host (0.0.0.0, ::) replaced by the host the decode side used to
@@ -95,13 +99,15 @@ class PrefillRequest:
     prompt_token_ids: list[int]
     params: dict[str, Any]
     cache_salt: str | None = None
+    chunked: bool = False  # offer each prefill chunk's full pages as they are computed (an NDJSON answer)
 
     @classmethod
-    def of(cls, request_id: str, ids: list[int], params: SamplingParams, cache_salt: str | None) -> PrefillRequest:
+    def of(cls, request_id: str, ids: list[int], params: SamplingParams, cache_salt: str | None,
+           chunked: bool = False) -> PrefillRequest:
         fields = {name: getattr(params, name) for name in _FIRST_TOKEN_FIELDS}
         if fields["logit_bias"]:
             fields["logit_bias"] = {str(k): v for k, v in fields["logit_bias"].items()}
-        return cls(request_id, list(ids), fields, cache_salt)
+        return cls(request_id, list(ids), fields, cache_salt, chunked)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -114,7 +120,7 @@ class PrefillRequest:
         params = d.get("params") or {}
         if not isinstance(params, dict) or set(params) - set(_FIRST_TOKEN_FIELDS):
             raise ValueError(f"params may hold only {', '.join(_FIRST_TOKEN_FIELDS)}")
-        return cls(str(d.get("request_id", "")), ids, params, d.get("cache_salt"))
+        return cls(str(d.get("request_id", "")), ids, params, d.get("cache_salt"), bool(d.get("chunked", False)))
 
     def sampling_params(self) -> SamplingParams:
         """The prefill side's parameters: the first token only (max_tokens 1), drawn as the decode side would."""
@@ -130,7 +136,7 @@ class PrefillResponse:
 
     first_token: int
     logprobs: dict[int, float] | None
-    kv: KVHandle | None  # None when the first token ends the request: nothing to pull
+    kv: KVHandle | None  # the (last) block to pull; None when every block was announced before (chunked)
 
     def to_json(self) -> dict[str, Any]:
         lp = None if self.logprobs is None else {str(k): v for k, v in self.logprobs.items()}

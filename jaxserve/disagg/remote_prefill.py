@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import json
 import logging
 import time
 from urllib.parse import urlsplit
 
 import httpx
+import jax
 
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.disagg.kv_import import Arrival
@@ -22,6 +24,7 @@ from jaxserve.disagg.protocol import (
     INFO_PATH,
     PREFILL_HEADER,
     PREFILL_PATH,
+    KVHandle,
     KVLayout,
     PrefillRequest,
     PrefillResponse,
@@ -71,8 +74,8 @@ class PrefillUnavailable(Exception):
 class RemotePrefill:
     """Runs prompts on prefill servers and pulls their KV into this process (see module doc)."""
 
-    def __init__(self, layout: KVLayout, endpoint: TransferEndpoint, timeout_s: float) -> None:
-        self.layout, self.endpoint, self.timeout_s = layout, endpoint, timeout_s
+    def __init__(self, layout: KVLayout, endpoint: TransferEndpoint, timeout_s: float, chunked: bool = True) -> None:
+        self.layout, self.endpoint, self.timeout_s, self.chunked = layout, endpoint, timeout_s, chunked
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 5.0)),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self._checked: set[str] = set()  # prefill servers whose layout matched
@@ -92,36 +95,62 @@ class RemotePrefill:
     async def run(self, urls: tuple[str, ...], request_id: str, ids: list[int], params: SamplingParams,
                   cache_salt: str | None) -> Arrival:
         """Prefill on the first of `urls` that can, pull its KV; raises APIError (400 or 503)."""
-        body = PrefillRequest.of(request_id, ids, params, cache_salt).to_json()
+        body = PrefillRequest.of(request_id, ids, params, cache_salt, self.chunked).to_json()
         reason = "no prefill server named"
         for url in urls:
             start = time.perf_counter()
+            host = urlsplit(url).hostname or "127.0.0.1"
+            pulls: list[tuple[KVHandle, asyncio.Future]] = []
             try:
                 await self._check_layout(url)
-                r = await self.client.post(url + PREFILL_PATH, json=body)
-                if 400 <= r.status_code < 500:
-                    message = r.json().get("error", {}).get("message", r.text[:200])
-                    raise APIError(r.status_code, f"prefill server refused the prompt: {message}", None,
-                                   "prefill_refused")
-                r.raise_for_status()
-                answer = PrefillResponse.from_json(r.json())
-                block = None
-                if answer.kv is not None:
-                    kv = answer.kv.reachable_from(urlsplit(url).hostname or "127.0.0.1")
-                    pulled = time.perf_counter()
-                    block = await asyncio.to_thread(self.endpoint.pull, kv.address, kv.uuid, kv.shape, kv.dtype,
-                                                    self.timeout_s)
-                    self.counters["kv_pulls"] += 1
-                    self.counters["kv_pull_bytes"] += int(block.nbytes)
-                    self.counters["kv_pull_seconds"] += time.perf_counter() - pulled
-                num_tokens = answer.kv.num_tokens if answer.kv is not None else len(ids)
-                return Arrival(block, num_tokens, answer.first_token, answer.logprobs, time.perf_counter() - start)
+                async with self.client.stream("POST", url + PREFILL_PATH, json=body) as r:
+                    if 400 <= r.status_code < 500:
+                        await r.aread()
+                        message = r.json().get("error", {}).get("message", r.text[:200])
+                        raise APIError(r.status_code, f"prefill server refused the prompt: {message}", None,
+                                       "prefill_refused")
+                    r.raise_for_status()
+                    answer = None
+                    async for line in r.aiter_lines():  # one line unless chunked: each block pulled as announced
+                        msg = json.loads(line) if line.strip() else {}
+                        if "chunk" in msg or "kv" in msg:
+                            handle = KVHandle.from_json(msg["chunk"]) if "chunk" in msg else None
+                            if "kv" in msg:
+                                answer = PrefillResponse.from_json(msg)
+                                handle = answer.kv
+                            if handle is not None:
+                                pulls.append((handle, asyncio.ensure_future(self._pull(handle, host))))
+                        elif "done" in msg:
+                            answer = PrefillResponse.from_json(msg["done"])
+                        elif "error" in msg:
+                            err = msg["error"]
+                            if 400 <= err.get("status", 500) < 500:
+                                raise APIError(err["status"], f"prefill server refused the prompt: "
+                                               f"{err.get('message')}", None, "prefill_refused")
+                            raise RuntimeError(err.get("message", "prefill failed"))
+                    if answer is None:
+                        raise RuntimeError("the prefill server's answer ended early")
+                blocks = [(h.first_page, h.num_pages, await task) for h, task in pulls]
+                return Arrival(blocks, len(ids), answer.first_token, answer.logprobs, time.perf_counter() - start)
             except (httpx.HTTPError, RuntimeError, PrefillUnavailable, KeyError, ValueError) as e:
                 self.counters["prefill_failures"] += 1
                 reason = f"{url}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                 log.warning("prefill on %s failed for %s (%s); trying the next", url, request_id, reason)
+            finally:
+                for _, task in pulls:
+                    task.cancel()
         raise APIError(503, f"no prefill server could run this prompt ({reason})", None, "prefill_unavailable",
                        type_="service_unavailable")
+
+    async def _pull(self, kv: KVHandle, prefill_host: str) -> jax.Array:
+        """Pull one block on a worker thread (the event loop and the engine thread never wait on it)."""
+        kv = kv.reachable_from(prefill_host)
+        start = time.perf_counter()
+        block = await asyncio.to_thread(self.endpoint.pull, kv.address, kv.uuid, kv.shape, kv.dtype, self.timeout_s)
+        self.counters["kv_pulls"] += 1
+        self.counters["kv_pull_bytes"] += int(block.nbytes)
+        self.counters["kv_pull_seconds"] += time.perf_counter() - start
+        return block
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -43,6 +43,7 @@ class DisaggregationConfig:
     transfer_port: int = 0
     kv_transfer_timeout: float = 60.0  # seconds an offered block waits for its pull; a decode's wait per server
     prefill_urls: tuple[str, ...] = ()  # a decode server's prefill servers when the router names none
+    chunked_transfer: bool = True  # a decode server asks for each prefill chunk's pages as they are computed
 
     def __post_init__(self) -> None:
         if self.mode is not None and self.mode not in MODES:
@@ -74,7 +75,7 @@ class DisaggregationConfig:
         endpoint = TransferEndpoint(host, self.transfer_port)
         if self.mode == "prefill":
             return PrefillAsyncEngine(config, endpoint, self.kv_transfer_timeout)
-        return DecodeAsyncEngine(config, endpoint, self.kv_transfer_timeout, self.prefill_urls)
+        return DecodeAsyncEngine(config, endpoint, self.kv_transfer_timeout, self.prefill_urls, self.chunked_transfer)
 
     def app(self, engine: AsyncEngine, log_interval: float = 10.0, limits: ServerLimits | None = None) -> FastAPI:
         """The HTTP app for this role around a started `engine` (from `self.engine`)."""
@@ -107,10 +108,10 @@ class DecodeAsyncEngine(AsyncEngine):
     """The decode role's engine: each eligible request is prefilled remotely before it is submitted."""
 
     def __init__(self, config: EngineConfig, endpoint: TransferEndpoint, timeout_s: float,
-                 prefill_urls: tuple[str, ...]) -> None:
+                 prefill_urls: tuple[str, ...], chunked: bool = True) -> None:
         super().__init__(config, engine=DecodeEngine(config))
         self.prefill_urls = prefill_urls
-        self.remote = RemotePrefill(kv_layout(self.engine), endpoint, timeout_s)
+        self.remote = RemotePrefill(kv_layout(self.engine), endpoint, timeout_s, chunked)
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        cache_salt: str | None = None, *,
