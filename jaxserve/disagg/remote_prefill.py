@@ -79,7 +79,8 @@ class RemotePrefill:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 5.0)),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self._checked: set[str] = set()  # prefill servers whose layout matched
-        self.counters = {"kv_pulls": 0, "kv_pull_bytes": 0, "kv_pull_seconds": 0.0, "prefill_failures": 0}
+        self.counters = {"kv_pulls": 0, "kv_pull_bytes": 0, "kv_pull_seconds": 0.0, "prefill_failures": 0,
+                         "prefill_answer_seconds": 0.0, "kv_wait_seconds": 0.0}
 
     async def _check_layout(self, url: str) -> None:
         if url in self._checked:
@@ -130,7 +131,10 @@ class RemotePrefill:
                             raise RuntimeError(err.get("message", "prefill failed"))
                     if answer is None:
                         raise RuntimeError("the prefill server's answer ended early")
+                answered = time.perf_counter()
                 blocks = [(h.first_page, h.num_pages, await task) for h, task in pulls]
+                self.counters["prefill_answer_seconds"] += answered - start  # the prefill, as seen from here
+                self.counters["kv_wait_seconds"] += time.perf_counter() - answered  # pulls not overlapped with it
                 return Arrival(blocks, len(ids), answer.first_token, answer.logprobs, time.perf_counter() - start)
             except (httpx.HTTPError, RuntimeError, PrefillUnavailable, KeyError, ValueError) as e:
                 self.counters["prefill_failures"] += 1
