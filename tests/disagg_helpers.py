@@ -48,9 +48,12 @@ def router_server(**flags) -> Iterator[LiveServer]:
         yield live
 
 
-def launch(*args: str) -> subprocess.Popen:
-    """`jaxserve ARGS...` as a process importing this tree; its stderr goes to a file beside it (read on failure)."""
+def launch(*args: str, devices: int = 1) -> subprocess.Popen:
+    """`jaxserve ARGS...` as a process importing this tree, on `devices` CPU devices; its output goes to a file
+    (`proc.log_path`)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    if devices > 1:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
     path = Path(f"/tmp/jaxserve-disagg-test-{os.getpid()}-{free_port()}.log")
     with open(path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "jaxserve", *args], stdout=log, stderr=log, env=env, cwd=ROOT)

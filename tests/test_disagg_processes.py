@@ -1,6 +1,7 @@
-"""Disaggregated serving as processes on loopback (-m slow): 2 prefill servers, 2 decode servers and the router,
-each a `jaxserve` process. The colocated engine's tokens; 64 streams at once, none lost; a prefill server killed
-with prompts in flight and a decode server killed mid-stream are survived."""
+"""Disaggregated serving as processes on loopback (-m slow): 2 prefill servers and 2 decode
+servers (one of each kind TP 1, the other TP 2 on two CPU devices) and the router, each a `jaxserve` process. The
+colocated engine's tokens from every pair; 64 streams at once, none lost; a prefill server killed with prompts in
+flight and a decode server killed mid-stream are survived."""
 
 from __future__ import annotations
 
@@ -26,12 +27,12 @@ def cluster():
     url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     procs = {}
     try:
-        for name in ("p0", "p1"):
-            procs[name] = launch("serve", *ENGINE_FLAGS, "--port", str(ports[name]),
-                                 "--disaggregation-mode", "prefill")
-        for name in ("d0", "d1"):
-            procs[name] = launch("serve", *ENGINE_FLAGS, "--port", str(ports[name]), "--disaggregation-mode",
-                                 "decode", "--kv-transfer-timeout", "10")
+        for name, tp in (("p0", 1), ("p1", 2)):  # the second of each kind on 2 devices (TP 2): heads re-laid
+            procs[name] = launch("serve", *ENGINE_FLAGS, "--port", str(ports[name]), "--tensor-parallel-size",
+                                 str(tp), "--disaggregation-mode", "prefill", devices=tp)
+        for name, tp in (("d0", 1), ("d1", 2)):
+            procs[name] = launch("serve", *ENGINE_FLAGS, "--port", str(ports[name]), "--tensor-parallel-size",
+                                 str(tp), "--disaggregation-mode", "decode", "--kv-transfer-timeout", "10", devices=tp)
         procs["router"] = launch("router", "--pd-disaggregation", "--prefill", url["p0"], url["p1"], "--decode",
                                  url["d0"], url["d1"], "--port", str(ports["router"]),
                                  "--health-check-interval", "1", "--stall-timeout", "30")
@@ -67,6 +68,16 @@ def test_greedy_tokens_equal_the_colocated_engines(cluster, colocated):
     url, _ = cluster
     for prompt in PROMPTS:
         assert _complete(url["router"], prompt, 16) == _text(colocated, prompt, 16)
+
+
+@pytest.mark.parametrize("prefill, decode", [("p0", "d0"), ("p0", "d1"), ("p1", "d0"), ("p1", "d1")])
+def test_every_pair_of_tp_degrees_gives_the_colocated_tokens(cluster, colocated, prefill, decode):
+    url, _ = cluster
+    for prompt in PROMPTS:
+        r = httpx.post(f"{url[decode]}/v1/completions", headers={"X-Jaxserve-Prefill": url[prefill]}, timeout=120,
+                       json={"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == _text(colocated, prompt, 16)
+    assert httpx.get(f"{url[decode]}/disagg/info").json()["counters"]["prefill_failures"] == 0
 
 
 def test_64_concurrent_streams_lose_nothing(cluster):

@@ -8,6 +8,7 @@ import concurrent.futures
 
 import httpx
 import pytest
+from cli_helpers import run_cli
 from disagg_helpers import ENGINE_ARGS, complete, role_server, router_server, stream
 
 from jaxserve import LLM
@@ -88,3 +89,14 @@ def test_a_dead_prefill_server_is_a_clear_503_not_a_hang(stack):
                    headers={"X-Jaxserve-Prefill": "http://127.0.0.1:9"}, timeout=60)
     assert r.status_code == 503 and r.json()["error"]["code"] == "prefill_unavailable"
     assert "127.0.0.1:9" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("args, mentions", [
+    (["--disaggregation-mode", "sideways"], "--disaggregation-mode"),
+    (["--prefill-url", "http://127.0.0.1:1"], "--prefill-url"),
+    (["--disaggregation-mode", "decode", "--async-scheduling"], "synchronous loop"),
+    (["--disaggregation-mode", "prefill", "--disaggregate"], "one engine per process"),
+])
+def test_bad_disaggregation_flags_are_one_line_and_exit_2(args, mentions):
+    code, err = run_cli("serve", "--port", "0", *args)
+    assert code == 2 and mentions in err and len(err.strip().splitlines()) == 1, err
