@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import time
 
 import httpx
 import pytest
@@ -18,14 +19,18 @@ from server_helpers import LiveServer
 from jaxserve.router.workers import Policy, Worker, choose, prefix_blocks
 
 
-def fake_server(name: str, tokens: int = 5, delay: float = 0.0, break_after: int | None = None) -> FastAPI:
+def fake_server(name: str, tokens: int = 5, delay: float = 0.0, break_after: int | None = None,
+                stall_after: int | None = None) -> FastAPI:
     """A server answering completions with `tokens` events naming itself; `break_after` events it drops the
-    connection (as a killed process would)."""
+    connection (as a killed process would); `stall_after` events it hangs, its /health too (as a stopped one)."""
     app = FastAPI()
     app.state.prompts = []
+    app.state.stalled = False
 
     @app.get("/health")
     async def health() -> dict:
+        if app.state.stalled:
+            await asyncio.sleep(3600)
         return {}
 
     @app.post("/v1/completions")
@@ -39,6 +44,9 @@ def fake_server(name: str, tokens: int = 5, delay: float = 0.0, break_after: int
             for i in range(tokens):
                 if break_after is not None and i == break_after:
                     raise ConnectionResetError("killed")
+                if stall_after is not None and i == stall_after:
+                    app.state.stalled = True
+                    await asyncio.sleep(3600)
                 await asyncio.sleep(delay)
                 yield f"data: {json.dumps({'choices': [{'text': name, 'finish_reason': None}]})}\n\n"
             yield "data: [DONE]\n\n"
@@ -111,6 +119,16 @@ def test_a_stream_cut_by_its_server_ends_with_an_error_event():
                                                                         health_check_interval=30) as r:
         text, errors = sse(r.url)
         assert text == "aa" and len(errors) == 1 and a.url in errors[0]
+
+
+def test_a_stalled_server_is_taken_out_and_its_stream_ended_with_an_error_event():
+    with LiveServer(fake_server("a", stall_after=2)) as a, router_server(
+            worker_urls=(a.url,), health_check_interval=0.2, health_check_timeout=0.2,
+            health_failure_threshold=1) as r:
+        start = time.monotonic()
+        text, errors = sse(r.url)
+        assert text == "aa" and len(errors) == 1 and time.monotonic() - start < 5
+        assert httpx.get(f"{r.url}/health").status_code == 503
 
 
 def test_pd_mode_sends_requests_to_decode_servers_naming_prefill_servers():

@@ -9,9 +9,10 @@ fallbacks); the decode server runs the bootstrap with them (jaxserve/disagg/prot
 Failures: a server that cannot be reached or breaks the connection before the response's first byte (the first
 event of a stream) is marked dead and the request is retried on another, up to `max_attempts` servers; a 503 from
 a server is retried elsewhere too. After the first byte a stream that breaks, or sends nothing for `stall_timeout`
-seconds, ends with an error event and `[DONE]`; a whole response that fails so is answered 502 in OpenAI's shape.
+seconds, ends with an error event and `[DONE]`; a whole response that fails so is retried on another server.
 Health checks every `health_check_interval` seconds take a server out after `health_failure_threshold` misses and
-put it back after one success; a dead server's in-flight whole responses are failed at once.
+put it back after one success; a server taken out has its streams ended at once (with the error event) and its
+whole responses retried elsewhere.
 """
 
 from __future__ import annotations
@@ -127,6 +128,8 @@ class Router:
             log.warning("%s %s taken out: %s", w.role, w.url, why)
         w.mark_dead()
         self.death(w).set()
+        for resp in list(w.streams):  # its relays end now, with an error event, instead of at the stall timeout
+            resp.close()
 
     async def check(self, w: Worker) -> None:
         c = self.config
@@ -242,12 +245,17 @@ class Router:
 
     async def relay(self, w: Worker, resp: aiohttp.ClientResponse, first: bytes,
                     chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """A stream's bytes as they come; a break or a stall ends it with an error event."""
+        """A stream's bytes as they come; a break, a stall, or an end without `[DONE]` ends it with an error event."""
+        w.streams.add(resp)
+        tail = first[-16:]
         try:
             if first:
                 yield first
             async for chunk in chunks:
+                tail = (tail + chunk)[-16:]
                 yield chunk
+            if b"[DONE]" not in tail:
+                raise aiohttp.ClientPayloadError("the stream ended early")
         except UPSTREAM_ERRORS as e:
             w.errors += 1
             self.counters["failures"] += 1
@@ -255,6 +263,7 @@ class Router:
                 self.fail(w, f"stream broke: {type(e).__name__}")
             yield _sse_error(f"the server {w.url} failed mid-stream ({type(e).__name__}); the output is cut")
         finally:
+            w.streams.discard(resp)
             w.load -= 1
             resp.close()
 

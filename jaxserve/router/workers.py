@@ -68,6 +68,7 @@ class Worker:
     index: PrefixIndex = field(default_factory=PrefixIndex)
     requests: int = 0
     errors: int = 0
+    streams: set = field(default_factory=set)  # upstream responses being relayed (closed when it is taken out)
 
     def mark_dead(self) -> None:
         """Out of rotation until a health check passes; its prefix index is forgotten (a restart has no cache)."""
