@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import threading
 import time
 
 import httpx
@@ -26,11 +27,16 @@ def fake_server(name: str, tokens: int = 5, delay: float = 0.0, break_after: int
     app = FastAPI()
     app.state.prompts = []
     app.state.stalled = False
+    app.state.release = threading.Event()  # ends a stall (so the test's server can stop)
+
+    async def stall() -> None:
+        while not app.state.release.is_set():
+            await asyncio.sleep(0.05)
 
     @app.get("/health")
     async def health() -> dict:
         if app.state.stalled:
-            await asyncio.sleep(3600)
+            await stall()
         return {}
 
     @app.post("/v1/completions")
@@ -46,7 +52,7 @@ def fake_server(name: str, tokens: int = 5, delay: float = 0.0, break_after: int
                     raise ConnectionResetError("killed")
                 if stall_after is not None and i == stall_after:
                     app.state.stalled = True
-                    await asyncio.sleep(3600)
+                    await stall()
                 await asyncio.sleep(delay)
                 yield f"data: {json.dumps({'choices': [{'text': name, 'finish_reason': None}]})}\n\n"
             yield "data: [DONE]\n\n"
@@ -122,13 +128,14 @@ def test_a_stream_cut_by_its_server_ends_with_an_error_event():
 
 
 def test_a_stalled_server_is_taken_out_and_its_stream_ended_with_an_error_event():
-    with LiveServer(fake_server("a", stall_after=2)) as a, router_server(
-            worker_urls=(a.url,), health_check_interval=0.2, health_check_timeout=0.2,
-            health_failure_threshold=1) as r:
+    app = fake_server("a", stall_after=2)
+    with LiveServer(app) as a, router_server(worker_urls=(a.url,), health_check_interval=0.2,
+                                             health_check_timeout=1.0, health_failure_threshold=2) as r:
         start = time.monotonic()
         text, errors = sse(r.url)
-        assert text == "aa" and len(errors) == 1 and time.monotonic() - start < 5
+        assert text == "aa" and len(errors) == 1 and time.monotonic() - start < 10  # not the 60 s stall timeout
         assert httpx.get(f"{r.url}/health").status_code == 503
+        app.state.release.set()
 
 
 def test_pd_mode_sends_requests_to_decode_servers_naming_prefill_servers():
