@@ -98,11 +98,21 @@ def transfer(a: argparse.Namespace) -> None:
         for _ in range(2):  # first requests compile what warm-up left
             for k in url:
                 ttft(client, url[k], prompt(), hdr)
-        before = {k: httpx.get(url[k] + "/disagg/info").json()["counters"] for k in ("d", "w")}
+        before = {k: httpx.get(url[k] + "/disagg/info").json()["counters"] for k in url}
         times = {k: [] for k in url}
+        bootstrap = []  # the prefill server's bootstrap route alone: the prefill and one block offered, no pull
         for _ in range(a.repeats):
             for k in url:
                 times[k].append(ttft(client, url[k], prompt(), hdr))
+            start = time.perf_counter()
+            r = client.post(url["p"] + "/disagg/prefill", json={"prompt_token_ids": prompt(), "params": {}},
+                            timeout=600)
+            assert r.status_code == 200, r.text
+            bootstrap.append(time.perf_counter() - start)
+        pc = httpx.get(url["p"] + "/disagg/info").json()["counters"]
+        mean = (pc["prefill_seconds"] - before["p"]["prefill_seconds"]) / (pc["prefills"] - before["p"]["prefills"])
+        print(f"prefill server: /disagg/prefill answered in {statistics.median(bootstrap) * 1e3:.0f} ms (median, "
+              f"no pull); its engine's mean prefill there {mean * 1e3:.0f} ms")
         med = {k: statistics.median(v) for k, v in times.items()}
         print(f"{a.prompt_tokens}-token prompt TTFT, median of {a.repeats} (A/B/C alternating): prefill alone "
               f"{med['p'] * 1e3:.0f} ms; + KV transfer chunk by chunk {med['d'] * 1e3:.0f} ms "

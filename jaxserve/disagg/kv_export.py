@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,7 +83,7 @@ class KVExporter:
         self.engine, self.endpoint, self.timeout_s = engine, endpoint, timeout_s
         self._lock = threading.Lock()
         self._wanted: dict[str, _Export] = {}  # requests of the prefill route (plain completions export nothing)
-        self.counters = {"kv_exports": 0, "kv_export_bytes": 0}
+        self.counters = {"kv_exports": 0, "kv_export_bytes": 0, "prefills": 0, "prefill_seconds": 0.0}
         engine.scheduler = _ExportingScheduler(engine.scheduler, self)
         if engine.config.warmup:
             engine.runner.warmup_transfer(engine.spec.num_kv_heads, insert=False)
@@ -169,9 +170,11 @@ def install_prefill_routes(app: FastAPI, engine: AsyncEngine, exporter: KVExport
         rid = new_request_id("prefill")
 
         async def run() -> Any:
-            final = None
+            final, start = None, time.perf_counter()
             async for out in engine.generate(rid, ids, params, body.cache_salt, prompt_token_ids=ids):
                 final = out
+            exporter.counters["prefills"] += 1
+            exporter.counters["prefill_seconds"] += time.perf_counter() - start
             return final
 
         if not body.chunked:
