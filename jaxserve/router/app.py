@@ -29,6 +29,7 @@ from typing import Any
 import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from jaxserve.disagg.protocol import PREFILL_HEADER
 from jaxserve.router.metrics import render_metrics
@@ -301,8 +302,10 @@ def build_router_app(config: RouterConfig) -> FastAPI:
         return Response(render_metrics(router.all_workers(), router.counters, time.monotonic() - started),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.api_route("/{path:path}", methods=["GET", "POST"])
-    async def passthrough(request: Request, path: str) -> Response:
-        return await router.forward(request, "/" + path)
+    async def passthrough(request: Request) -> Response:
+        return await router.forward(request, request.url.path)
+
+    # A plain Starlette route: no FastAPI parameter solving on the path every request takes.
+    app.router.routes.append(Route("/{path:path}", passthrough, methods=["GET", "POST"]))
 
     return app
