@@ -100,3 +100,16 @@ def test_a_dead_prefill_server_is_a_clear_503_not_a_hang(stack):
 def test_bad_disaggregation_flags_are_one_line_and_exit_2(args, mentions):
     code, err = run_cli("serve", "--port", "0", *args)
     assert code == 2 and mentions in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_chat_through_the_router_equals_one_prefilled_where_it_decodes(stack):
+    """Chat: the decode server renders the template and tokenizes; the prefill server gets the ids."""
+    _, _, router = stack
+    body = {"messages": [{"role": "user", "content": "Speak the speech, I pray you"}], "max_tokens": 8,
+            "temperature": 0}
+    imports = router.whole.engine.stats()["kv_imports"]
+    routed = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=120)
+    local = httpx.post(f"{router.whole.url}/v1/chat/completions", json=body, timeout=120)  # no prefill server named
+    assert routed.status_code == local.status_code == 200
+    assert router.whole.engine.stats()["kv_imports"] == imports  # prefilled where it decoded
+    assert routed.json()["choices"][0]["message"] == local.json()["choices"][0]["message"]
