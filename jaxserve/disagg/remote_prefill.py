@@ -13,6 +13,7 @@ import contextvars
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 import httpx
@@ -79,6 +80,8 @@ class RemotePrefill:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 5.0)),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self._checked: set[str] = set()  # prefill servers whose layout matched
+        # Pulls block their thread: their own pool, so they never starve asyncio.to_thread's (or each other much).
+        self.pulls = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kv-pull")
         self.counters = {"kv_pulls": 0, "kv_pull_bytes": 0, "kv_pull_seconds": 0.0, "prefill_failures": 0,
                          "prefill_answer_seconds": 0.0, "kv_wait_seconds": 0.0}
 
@@ -147,10 +150,19 @@ class RemotePrefill:
                        type_="service_unavailable")
 
     async def _pull(self, kv: KVHandle, prefill_host: str) -> jax.Array:
-        """Pull one block on a worker thread (the event loop and the engine thread never wait on it)."""
+        """Pull one block on a pull thread (the event loop and the engine thread never wait on it), within
+        `timeout_s`; never started past 80% of the offer's life (a pull of an expired offer would block)."""
         kv = kv.reachable_from(prefill_host)
         start = time.perf_counter()
-        block = await asyncio.to_thread(self.endpoint.pull, kv.address, kv.uuid, kv.shape, kv.dtype, self.timeout_s)
+        not_after = time.monotonic() + 0.8 * self.timeout_s
+        loop = asyncio.get_running_loop()
+        work = loop.run_in_executor(self.pulls, self.endpoint.pull, kv.address, kv.uuid, kv.shape, kv.dtype,
+                                    self.timeout_s, not_after)
+        try:
+            block = await asyncio.wait_for(work, self.timeout_s)
+        except TimeoutError:
+            self.endpoint.drop(kv.address)  # the stuck pull's connection is unusable
+            raise RuntimeError(f"KV pull from {kv.address} took over {self.timeout_s:g} s") from None
         self.counters["kv_pulls"] += 1
         self.counters["kv_pull_bytes"] += int(block.nbytes)
         self.counters["kv_pull_seconds"] += time.perf_counter() - start
@@ -158,3 +170,4 @@ class RemotePrefill:
 
     async def close(self) -> None:
         await self.client.aclose()
+        self.pulls.shutdown(wait=False)

@@ -3,8 +3,10 @@
 `start_transfer_server(client, address, transport_addresses)` listens on `address` (the control socket whose
 address peers are given) and moves bulk data over the transport addresses. A block offered with `await_pull` is
 held by the server until a peer pulls it or the offer's deadline passes, then released. A pull of a uuid that
-was never offered, or has expired, fails after several seconds and leaves the connection unusable, so a
-connection that failed once is dropped and the next pull opens a new one.
+was never offered, or has expired, blocks until the peer closes the connection (jax 0.10.2 on CPU: the pull's own
+timeout is not honoured; the GIL is released meanwhile) and leaves the connection unusable. So a pull is never
+started past `not_after` (the caller's view of the offer's deadline), the caller bounds its wait, and a
+connection that failed or timed out is dropped: the next pull opens a new one.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import datetime
 import logging
 import secrets
 import threading
+import time
 
 import jax
 from jax.experimental import transfer
@@ -49,14 +52,19 @@ class TransferEndpoint:
                 conn = self._connections[address] = self.server.connect(address)
             return conn
 
-    def _drop(self, address: str, conn: transfer.TransferConnection) -> None:
+    def drop(self, address: str, conn: transfer.TransferConnection | None = None) -> None:
+        """Forget the connection to `address` (only `conn`, when given): the next pull opens a new one."""
         with self._lock:
-            if self._connections.get(address) is conn:
+            if address in self._connections and conn in (None, self._connections[address]):
                 del self._connections[address]
 
-    def pull(self, address: str, uuid: int, shape: tuple[int, ...], dtype: str, timeout_s: float) -> jax.Array:
-        """Pull one offered block onto this process's first device (blocking; call it off the event loop).
-        Raises RuntimeError with a one-line reason when the peer or the offer is gone."""
+    def pull(self, address: str, uuid: int, shape: tuple[int, ...], dtype: str, timeout_s: float,
+             not_after: float | None = None) -> jax.Array:
+        """Pull one offered block onto this process's first device (blocking; call it off the event loop), unless
+        `time.monotonic()` is past `not_after`. Raises RuntimeError with a one-line reason when the peer or the
+        offer is gone."""
+        if not_after is not None and time.monotonic() > not_after:
+            raise RuntimeError(f"KV offer from {address} expired before it could be pulled")
         conn = self._connection(address)
         spec = jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dtype),
                                     sharding=jax.sharding.SingleDeviceSharding(self.device))
@@ -65,5 +73,5 @@ class TransferEndpoint:
             (block,) = conn.pull(uuid, [spec], timeout=deadline)
             return jax.block_until_ready(block)
         except Exception as e:  # the transfer library raises JaxRuntimeError; the connection is then unusable
-            self._drop(address, conn)
+            self.drop(address, conn)
             raise RuntimeError(f"KV pull from {address} failed: {str(e).splitlines()[0][:200]}") from None
