@@ -21,7 +21,7 @@ def kv_heads_per_device(spec: ModelSpec, tp: int) -> int:
 
 
 # A KV pool of one-byte codes keeps one float32 scale per token per KV head (per latent row for MLA), beside the
-# pages (the runtime's jaxserve/model/attention/kv_quant.py).
+# pages (the runtime's jaxserve/kernels/kv_quant.py).
 SCALED_KV_DTYPES = ("int8", "fp8")
 KV_SCALE_BYTES = 4.0
 

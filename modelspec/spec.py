@@ -176,6 +176,9 @@ PRESETS: dict[str, ModelSpec] = {
         # A ~1B Llama-3.2-1B-shaped synthetic model for the GPU report script.
         _llama("synthetic-1b", 16, 2048, 32, 8, 8192, 128256, tie_word_embeddings=True, rope_theta=500000.0,
                max_position_embeddings=8192, bos_token_id=256, eos_token_id=257, synthetic=True),
+        # Llama-3.1-8B's shape (untied head, llama3 RoPE scaling) with random weights: the GPU check's 8B step.
+        _llama("synthetic-8b", 32, 4096, 32, 8, 14336, 128256, rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE,
+               max_position_embeddings=131072, bos_token_id=256, eos_token_id=257, synthetic=True),
         # Synthetic MoE and MLA presets (random weights, byte-level tokenizer): Mixtral-like top-2 of 8, and a
         # DeepSeek-V2-like model with a latent KV pool of 48 + 16 per token, a dense first layer, shared experts.
         _llama("tiny-moe", 2, 64, 4, 2, 64, 512, architecture="mixtral", tie_word_embeddings=True,

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from modelspec.dtypes import dtype_bytes
-from modelspec.memory import MemoryPlan
+from modelspec.memory import DoesNotFitError, MemoryPlan
 from modelspec.spec import ModelSpec, load_model_spec
 from planner.disaggregate import DisaggPlan, plan_disaggregated
+from planner.fit_advice import check_context, longest_request, what_would_fit
 from planner.hardware import Hardware, load_hardware, with_moe_kernels
 from planner.search import Candidate, search
 from planner.serving import ServingConfig, ServingPrediction, Workload
@@ -237,6 +238,18 @@ class PlanResult:
     def prediction(self) -> ServingPrediction:
         return self.best.prediction
 
+    def disaggregated_comparison(self) -> str:
+        """What the disaggregated plan is compared with, and by what, in one sentence."""
+        d, r = self.disaggregated, self.request
+        if d is None:
+            return ""
+        slos = [f"{name} {v:g} ms" for name, v in (("TTFT", r.ttft_slo_ms), ("TPOT", r.tpot_slo_ms)) if v]
+        meets = (f"requests/s meeting {' and '.join(slos)}" if slos
+                 else "requests/s; no SLOs given, so every request counts")
+        return (f"the best prefill/decode split, using {d.num_devices} of the {r.num_devices} devices, against the "
+                f"colocated plan on all {r.num_devices}, by goodput per device used ({meets}, divided by the devices "
+                f"each uses)")
+
     def to_json(self) -> dict[str, Any]:
         """One JSON-able object with the keys `jaxserve plan --json` promises (inf -> null)."""
         c, p = self.config, self.prediction
@@ -274,7 +287,8 @@ class PlanResult:
                 "decode": {"instances": d.decode_instances, "tp": d.decode_tp},
                 "pd_ratio": d.pd_ratio, "kv_transfer_ms": d.kv_transfer_ms,
                 "goodput_per_device": d.goodput_per_device, "colocated_goodput_per_device": colocated,
-                "ttft_ms": d.ttft.to_dict(), "tpot_ms": d.tpot.to_dict(), "num_devices": d.num_devices},
+                "ttft_ms": d.ttft.to_dict(), "tpot_ms": d.tpot.to_dict(), "num_devices": d.num_devices,
+                "compared": self.disaggregated_comparison()},
             "candidates": [cand.summary() for cand in self.candidates],
             "simulated": None if self.simulation is None else {
                 "ttft_ms": self.simulation.ttft.to_dict(), "tpot_ms": self.simulation.tpot.to_dict(),
@@ -310,12 +324,19 @@ def plan(req: PlanRequest) -> PlanResult:
         dtype_bytes(req.kv_dtype)
     if req.num_devices < 1:
         raise ValueError("--num-devices must be positive")
+    check_context(spec, req.input_len, req.output_len, req.spread)
     wl = req.workload()
-    cands = search(spec, hw, wl, req.num_devices, tp=req.tp, max_num_seqs=req.max_num_seqs,
-                   chunk_size=req.chunk_size, page_size=req.page_size, dtype=req.dtype, kv_dtype=req.kv_dtype,
-                   gpu_memory_utilization=req.gpu_memory_utilization, ttft_slo_ms=req.ttft_slo_ms,
-                   tpot_slo_ms=req.tpot_slo_ms, num_scheduler_steps=req.num_scheduler_steps,
-                   scheduler=req.scheduler, async_scheduling=req.async_scheduling)
+    tokens = longest_request(req.input_len, req.output_len, req.spread)
+    try:
+        cands = _search(req, spec, hw, wl)
+        mem = cands[0].prediction.memory
+        if mem.max_concurrency(tokens) < 1:
+            raise DoesNotFitError(f"one request of {tokens} tokens does not fit the KV cache of {spec.name} on "
+                                  f"{req.num_devices} x {hw.name} ({mem.kv_capacity_tokens:,} tokens)")
+    except DoesNotFitError as e:
+        ways = what_would_fit(spec, hw, req.num_devices, req.dtype, req.kv_dtype, tokens, req.gpu_memory_utilization)
+        advice = f"; would fit: {'; or '.join(ways)}" if ways else ""
+        raise DoesNotFitError(f"{str(e).splitlines()[0]}{advice}") from None
     best = cands[0]
     result = PlanResult(request=req, spec=spec, hardware=hw, best=best, candidates=cands)
     if not best.prediction.stable:
@@ -355,3 +376,12 @@ def with_coefficients(hardware: str | Path | Hardware, **coefficients: float) ->
     """A hardware profile with some step-model coefficients replaced (e.g. fitted by calibration)."""
     hw = load_hardware(hardware)
     return replace(hw, coefficients=replace(hw.coefficients, **coefficients))
+
+
+def _search(req: PlanRequest, spec: ModelSpec, hw: Hardware, wl: Workload) -> list[Candidate]:
+    """The ranked candidates of `req` (`search`)."""
+    return search(spec, hw, wl, req.num_devices, tp=req.tp, max_num_seqs=req.max_num_seqs,
+                  chunk_size=req.chunk_size, page_size=req.page_size, dtype=req.dtype, kv_dtype=req.kv_dtype,
+                  gpu_memory_utilization=req.gpu_memory_utilization, ttft_slo_ms=req.ttft_slo_ms,
+                  tpot_slo_ms=req.tpot_slo_ms, num_scheduler_steps=req.num_scheduler_steps,
+                  scheduler=req.scheduler, async_scheduling=req.async_scheduling)

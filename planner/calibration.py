@@ -19,8 +19,8 @@ head's share of those: its kernel streams the embedding and adds little compute 
 made the fit trade the projections against the head and under-predict loaded steps; see docs/tuning.md),
 `gemv0` (one-row matmuls), `kv0`, `comm_bw0` are the model's terms at efficiency 1 (`unit_terms`), every one but
 attention counted at the step's padded token count, and `prefill_rows` a step's prefill tokens plus its padding
-(`step_model.prefill_rows`): the runtime computes padded rows like real ones, and a 129-token step padded to 192
-ran 1.4x a 128-token one where pricing its per-token cost on real tokens said 1.25x (docs/tuning.md). Attention has
+(`step_model.prefill_rows`): the runtime computes padded rows like real ones, so pricing a step's per-token
+cost on its real tokens under-predicted padded steps (docs/tuning.md has the measurement). Attention has
 its own efficiency: on a CPU the jnp paged attention runs far below the GEMMs, and sharing one efficiency made
 the fit trade long-context (chunked) steps against short prefills, over-predicting the latter. Its per-pass
 term prices what a small chunk over a long history costs beyond its FLOPs (on a CPU such a chunk runs well below

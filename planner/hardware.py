@@ -259,9 +259,10 @@ CATALOG: dict[str, Hardware] = {h.name: h for h in [
     Hardware(name="cpu", peak_flops={"fp32": 120 * GIGA, "bf16": 7 * GIGA, "fp16": 7 * GIGA},
              memory_bytes=8 * GIGA, memory_bw=27 * GIGA, intra_node_bw=10 * GIGA, allreduce_latency_s=50e-6,
              inter_node_bw=1 * GIGA, devices_per_node=1, sources={
-                 "compute": "measured (shared/GUIDE.md): XLA:CPU fp32 matmul ~120 GFLOP/s on 2 cores; bf16 15-20x "
+                 "compute": "measured (../shared/GUIDE.md): XLA:CPU fp32 matmul ~120 GFLOP/s on 2 cores; bf16 15-20x "
                             "slower (~7 GFLOP/s)",
-                 "memory": "measured (shared/GUIDE.md): streaming read ~27 GB/s; capacity: 8 GB assumed for the pool",
+                 "memory": "measured (../shared/GUIDE.md): streaming read ~27 GB/s; capacity: 8 GB assumed for the "
+                           "pool",
                  "intra_node": "host devices share memory (XLA forced host devices), assumed 10 GB/s",
                  "allreduce_latency": "assumed 50 us", "inter_node": "not applicable (1 GB/s placeholder)"},
              coefficients=Coefficients(compute_eff=0.8, gemm_m_half=4.0, weight_bw_eff=0.6, kv_bw_eff=0.3,

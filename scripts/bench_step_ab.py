@@ -38,7 +38,7 @@ def register_base_matmul(rev: str) -> tuple[str, str]:
     """Build REV's matmul kernels and register them with XLA; their two target names."""
     folder = Path(tempfile.mkdtemp(prefix="jaxserve-ab-"))
     for name in MATMUL_FILES:
-        text = subprocess.run(["git", "show", f"{rev}:jaxserve/model/{name}"], capture_output=True, text=True,
+        text = subprocess.run(["git", "show", f"{rev}:jaxserve/kernels/cpu/{name}"], capture_output=True, text=True,
                               check=True).stdout
         (folder / name).write_text(text)
     lib_path = folder / "base_matmul.so"

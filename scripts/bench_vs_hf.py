@@ -11,15 +11,20 @@ at several concurrencies. HF runs `generate` with static batches (greedy, KV cac
 With `--profile` (from `jaxserve calibrate`), each row also gets the decode floor: the bytes one step reads
 (weights, plus every sequence's KV at its mean context over the run) over the profile's measured memory
 bandwidth, and the measured TPOT as a multiple of it. With `--measure-bandwidth` the bandwidth is measured
-instead right around each timed run (calibrate's 1 GiB streaming sum, just before and just after; the floor uses
-their mean), so the floor and the TPOT see the same machine: its streaming sum read 39 to 64 GB/s within ten
-minutes on 2026-11-30.
+instead right around each timed run (calibrate's 1 GiB streaming sum, just before and just after, and the CPU
+matmul kernel's one-row read over a 1 GiB matrix just after; the floor uses the higher of the sum's mean and that
+read), so the floor and the TPOT see the same machine: its streaming sum read 39 to 64 GB/s within ten minutes on
+2026-11-30.
 
     python scripts/bench_vs_hf.py --skip-hf --batches 1 --measure-bandwidth --async-scheduling --repeats 10
 
-`--repeats N` runs jaxserve N times per batch, each run with its own bandwidth measurement; a row holds the
-medians (TPOT, end to end, TPOT / floor each on its own) and every run under "runs". HF runs once a batch,
-after all of jaxserve's runs, in the same process.
+`--repeats N` runs each engine N timed times per batch after one warm-up run of the same prompts: jaxserve
+(each run with its own bandwidth measurement), then HF, then llama.cpp, all in the same process. A row holds
+each engine's medians (TPOT, end to end, TPOT / floor each on its own) and every run under "runs", "hf_runs"
+and "llamacpp_runs", so one slow sample of any engine cannot decide a ratio: the ratios are of medians. Each run
+records the machine's one-minute load average after it (`*_load_1m`): llama.cpp's threads wait for each other
+spinning, and on a shared machine its step slowed tenfold and more where jaxserve's slowed under twofold
+(docs/tuning.md), so a ratio holds only for runs at the same, low load.
 
 The output starts with the CPU's instruction set, the one jaxserve's kernels were built for and the engine's
 kernel plan (the row counts whose matmuls run in the kernel). `--kernel-variant avx2` builds and runs the AVX2
@@ -39,8 +44,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +66,14 @@ def hf_model(spec, threads: int):
                       tie_word_embeddings=spec.tie_word_embeddings)
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).eval()
+
+
+def medians(run: Callable[[], dict[str, float]], repeats: int) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """`run()` once untimed (the same shapes: caches, threads, allocations), then `repeats` times: the median of
+    each of its figures, and every run."""
+    run()
+    runs = [run() for _ in range(repeats)]
+    return {k: float(np.median([r[k] for r in runs])) for k in runs[0]}, runs
 
 
 def hf_run(model, prompts: list[list[int]], new_tokens: int) -> float:
@@ -93,18 +108,40 @@ def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int
     return out[:, ids.shape[1]:].tolist()
 
 
+def hf_rows(hf, rows: list[dict], prompt_sets: list[list[list[int]]], args) -> None:
+    """Time HF's `generate` on each row's prompts as jaxserve's are timed: a warm-up, `--repeats` runs, medians.
+    A run's TPOT is its end to end less a one-token run's, over the other tokens."""
+    def run(prompts: list[list[int]]) -> dict[str, float]:
+        e2e = hf_run(hf, prompts, args.new_tokens)
+        prefill = hf_run(hf, prompts, 1)
+        return {"hf_e2e_s": e2e, "hf_tpot_ms": (e2e - prefill) / (args.new_tokens - 1) * 1e3, "hf_prefill_s": prefill,
+                "hf_load_1m": os.getloadavg()[0]}
+
+    for row, prompts in zip(rows, prompt_sets, strict=True):
+        res, runs = medians(lambda prompts=prompts: run(prompts), args.repeats)
+        row.update(res, hf_tokens_per_s=row["batch"] * args.new_tokens / res["hf_e2e_s"],
+                   speedup_e2e=res["hf_e2e_s"] / row["jaxserve_e2e_s"])
+        if args.repeats > 1:
+            row["hf_runs"] = runs
+        if not args.llamacpp:
+            print(json.dumps(row), flush=True)
+
+
 def llamacpp_rows(hf, rows: list[dict], prompt_sets: list[list[list[int]]], args) -> None:
-    """Convert HF's model to GGUF F32 and time llama.cpp on each row's prompts (one warm run first). The first 16
-    greedy tokens are checked against HF's, so the figures are of the same model."""
+    """Convert HF's model to GGUF F32 and time llama.cpp on each row's prompts as jaxserve's are timed (a warm-up,
+    `--repeats` runs, medians). The first 16 greedy tokens are checked against HF's, so the figures are of the
+    same model."""
     from llamacpp_peer import LlamaCppRunner, convert_to_gguf
 
     with tempfile.TemporaryDirectory() as tmp:
         gguf = convert_to_gguf(hf, Path(tmp), Path(args.llamacpp_src))
         for row, prompts in zip(rows, prompt_sets, strict=True):
             runner = LlamaCppRunner(gguf, len(prompts), args.prompt_len + args.new_tokens, args.threads)
-            runner.generate(prompts, 2)  # warm
-            res = runner.generate(prompts, args.new_tokens)
+            res, runs = medians(lambda r=runner, p=prompts: {**r.generate(p, args.new_tokens),
+                                                             "llamacpp_load_1m": os.getloadavg()[0]}, args.repeats)
             runner.close()
+            if args.repeats > 1:
+                row["llamacpp_runs"] = runs
             ref = hf_greedy(hf, prompts, 16)
             same = sum(a == b for r, o in zip(ref, runner.tokens, strict=True) for a, b in zip(r, o[:16], strict=True))
             row.update(res, llamacpp_first16_match_hf=same / (16 * len(prompts)),
@@ -126,7 +163,8 @@ def main() -> None:
     ap.add_argument("--measure-bandwidth", action="store_true",
                     help="floor from bandwidth measured just before and after each timed run (not --profile's)")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="jaxserve runs per batch (each with its own bandwidth); a row holds their medians")
+                    help="timed runs per batch of each engine, after a warm-up (jaxserve's each with its own "
+                         "bandwidth); a row holds their medians")
     ap.add_argument("--kernel-variant", default="native", choices=("native", "avx2", "portable"),
                     help="which build of jaxserve's CPU kernels to load (cpu_kernels.VARIANTS)")
     ap.add_argument("--no-cpu-kernels", action="store_true", help="jaxserve in XLA's code only")
@@ -141,7 +179,7 @@ def main() -> None:
 
     from jaxserve import LLM, SamplingParams
     from jaxserve.kernels.cpu import library as cpu_kernels
-    from jaxserve.measure.calibrate.microbench import measure_bandwidth
+    from jaxserve.measure.calibrate.microbench import measure_bandwidth, measure_weight_read
     from modelspec.spec import load_model_spec
 
     if not args.no_cpu_kernels and not cpu_kernels.load(cpu_kernels.CACHE_DIR, args.kernel_variant):
@@ -165,9 +203,9 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     prompt_sets = [[rng.integers(0, 256, args.prompt_len).tolist() for _ in range(b)] for b in batches]
     # jaxserve's runs first, then HF's: with HF's torch model built in the process first, jaxserve's one-request
-    # TPOT was 19.9 ms (`reports/bench_vs_hf_s25.json`) against 17.6 ms with it built after (`_s26`; BUILD.md).
+    # TPOT was slower (docs/results.md).
     for b, prompts in zip(batches, prompt_sets, strict=True):
-        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # same shapes, warm
+        llm.generate(prompts, params)  # warm, as the peers' first run: same shapes, as many steps
         runs = []
         for _ in range(args.repeats):
             llm.engine.kv_manager.reset_prefix_cache()  # every run prefills its prompts
@@ -175,12 +213,13 @@ def main() -> None:
             t = time.perf_counter()
             outs = llm.generate(prompts, params)
             wall = time.perf_counter() - t
-            if before is not None:
-                bandwidth = (before + measure_bandwidth(2**30)) / 2
+            if before is not None:  # the higher of the streaming sum and the kernel's own best read
+                bandwidth = max((before + measure_bandwidth(2**30)) / 2, measure_weight_read(2**30) or 0.0)
             tpot = float(np.mean([o.metrics.tpot for o in outs]))
             run = {"jaxserve_e2e_s": wall, "jaxserve_tpot_ms": tpot * 1e3,
                    "jaxserve_tokens_per_s": b * args.new_tokens / wall,
-                   "jaxserve_ttft_ms": float(np.mean([o.metrics.ttft for o in outs])) * 1e3}
+                   "jaxserve_ttft_ms": float(np.mean([o.metrics.ttft for o in outs])) * 1e3,
+                   "jaxserve_load_1m": os.getloadavg()[0]}
             if bandwidth:
                 run.update(decode_floor(spec, b, args.prompt_len + args.new_tokens / 2, bandwidth, tpot))
             runs.append(run)
@@ -194,15 +233,7 @@ def main() -> None:
         del llm
         hf = hf_model(spec, args.threads)
     if not args.skip_hf:
-        for row, prompts in zip(rows, prompt_sets, strict=True):
-            hf_run(hf, prompts, 2)  # warm
-            e2e = hf_run(hf, prompts, args.new_tokens)
-            prefill = hf_run(hf, prompts, 1)
-            row.update(hf_e2e_s=e2e, hf_tpot_ms=(e2e - prefill) / (args.new_tokens - 1) * 1e3,
-                       hf_prefill_s=prefill, hf_tokens_per_s=row["batch"] * args.new_tokens / e2e,
-                       speedup_e2e=e2e / row["jaxserve_e2e_s"])
-            if not args.llamacpp:
-                print(json.dumps(row), flush=True)
+        hf_rows(hf, rows, prompt_sets, args)
     if args.llamacpp:
         llamacpp_rows(hf, rows, prompt_sets, args)
     if args.out:

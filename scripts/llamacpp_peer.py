@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import subprocess
 import sys
 import time
@@ -47,20 +48,27 @@ def convert_to_gguf(hf_model, folder: Path, llamacpp_src: Path) -> Path:
     hf_model.save_pretrained(folder)
     write_llama_tokenizer(folder, hf_model.config.vocab_size)
     out = folder / "model-f32.gguf"
-    env_path = str(llamacpp_src / "gguf-py")
-    subprocess.run([sys.executable, str(llamacpp_src / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32",
-                    "--outfile", str(out)], check=True, capture_output=True, text=True,
-                   env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"})
+    # gguf-py first, then this process's path (where sentencepiece, which the converter imports, may lie)
+    env_path = os.pathsep.join([str(llamacpp_src / "gguf-py"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    run = subprocess.run([sys.executable, str(llamacpp_src / "convert_hf_to_gguf.py"), str(folder), "--outtype",
+                          "f32", "--outfile", str(out)], capture_output=True, text=True,
+                         env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"})
+    if run.returncode != 0:
+        raise RuntimeError(f"llama.cpp's converter failed:\n{run.stderr[-3000:]}")
     return out
 
 
 class LlamaCppRunner:
     """One llama.cpp context that decodes up to `max_seqs` sequences together, greedy, with `threads` threads."""
 
-    def __init__(self, gguf: Path, max_seqs: int, max_len: int, threads: int) -> None:
+    def __init__(self, gguf: Path, max_seqs: int, max_len: int, threads: int, eval_callback=None) -> None:
+        """`eval_callback`: a `llama_cpp.ggml_backend_sched_eval_callback` the context calls on the nodes it asks
+        for (step_breakdown.py observes the matmuls)."""
         import llama_cpp as lc
 
         self.lc = lc
+        self.quiet = lc.llama_log_callback(lambda level, text, user: None)  # kept alive: llama.cpp calls it
+        lc.llama_log_set(self.quiet, None)
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
         self.model = lc.llama_model_load_from_file(str(gguf).encode(), mparams)
@@ -72,7 +80,11 @@ class LlamaCppRunner:
         cparams.n_batch = cparams.n_ubatch = max(512, max_seqs * max_len)
         cparams.n_seq_max = max_seqs
         cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.no_perf = False  # llama_perf_context's timings (step_breakdown.py)
         cparams.kv_unified = True  # every sequence shares one KV buffer of n_ctx cells
+        if eval_callback is not None:
+            self.eval_callback = eval_callback  # kept alive as long as the context
+            cparams.cb_eval = eval_callback
         self.ctx = lc.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             raise RuntimeError("llama.cpp could not create a context")

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # (file under jaxserve/, function name): the points at which the request changes hands.
-HANDOVERS = {("server/app.py", "completions"), ("engine/async_engine.py", "generate"),
+HANDOVERS = {("server/routes_generate.py", "completions"), ("engine/async_engine.py", "generate"),
              ("engine/llm_engine.py", "add_request"),
              ("scheduler/scheduler.py", "add_request"), ("core/batch.py", "build_ragged_batch"),
              ("runner/step_inputs.py", "pack"), ("runner/model_runner.py", "forward")}

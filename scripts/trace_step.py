@@ -66,6 +66,73 @@ def traced(step) -> jax.profiler.ProfileData:
     return jax.profiler.ProfileData.from_file(glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)[0])
 
 
+def decode_parts(profile, spec) -> dict:
+    """A trace of steady decode steps read back, medians over its steps: the forward's and the sampler's executions,
+    the gap between them and between a sampler's end and the next forward's start (the host's work between
+    steps), and per kind of a layer's kernel calls its time, the weight bandwidth it reached and how late XLA's
+    other intra-op thread joined it; the sampler's LM head (its longest thunk). Projections that ran in XLA's
+    dots (the kernel plan declined their row count) count in "other thunks"."""
+    h, d = spec.hidden_size, spec.head_dim
+    qkv_out = (spec.num_heads + 2 * spec.num_kv_heads) * d
+    weight_bytes = {"qkv": h * qkv_out * 4, "o": spec.num_heads * d * h * 4,
+                    "gate_up": h * 2 * spec.intermediate_size * 4, "down": spec.intermediate_size * h * 4}
+    runs = executions(profile)
+    layers = spec.num_layers
+    # the forward holds a kernel call per layer at least (attention); with the matmul kernel, five
+    forwards = [r for r in runs if sum(t[2].startswith("ffi_call") for t in r[2]) >= layers]
+    samplers = [r for r in runs if r not in forwards]
+    kinds = LAYER_CALLS if all(sum(t[2].startswith("ffi_call") for t in r[2]) >= len(LAYER_CALLS) * layers
+                               for r in forwards) else ("attention",)
+    parts: dict[str, list[float]] = collections.defaultdict(list)
+    late: dict[str, list[float]] = collections.defaultdict(list)
+    starts = helper_starts(profile)
+    for _, dur, thunks in forwards:
+        calls = [t for t in thunks if t[2].startswith("ffi_call")][: len(kinds) * layers]
+        per = collections.defaultdict(float)
+        for i, (t0, t_dur, _) in enumerate(calls):
+            kind = kinds[i % len(kinds)]
+            per[kind] += t_dur
+            j = bisect.bisect_left(starts, t0)
+            if kind != "attention":
+                late[kind].append((starts[j] - t0) / 1e3 if j < len(starts) and starts[j] < t0 + t_dur else np.nan)
+        per["other thunks"] = sum(t[1] for t in thunks) - sum(t[1] for t in calls)
+        per["between thunks"] = dur - sum(t[1] for t in thunks)
+        for kind, ns in per.items():
+            parts[kind].append(ns)
+    pairs = list(itertools.pairwise(runs))
+    gaps = [b[0] - (a[0] + a[1]) for a, b in pairs if a in forwards and b in samplers]
+    host = [b[0] - (a[0] + a[1]) for a, b in pairs if a in samplers and b in forwards]
+    out = {"forward_ms": float(np.median([r[1] for r in forwards])) / 1e6,
+           "sampler_ms": float(np.median([r[1] for r in samplers])) / 1e6,
+           # the sampler's longest thunk is the LM head (the kernel's call or XLA's dot); the rest is the draw
+           "lm_head_ms": float(np.median([max(t[1] for t in r[2]) for r in samplers])) / 1e6,
+           "forward_to_sampler_us": float(np.median(gaps)) / 1e3,
+           "sampler_to_next_forward_us": float(np.median(host)) / 1e3 if host else float("nan"), "parts": {}}
+    for kind, ns in parts.items():
+        ms = float(np.median(ns)) / 1e6
+        part = {"ms": ms}
+        if kind in weight_bytes:
+            part["weight_gbps"] = layers * weight_bytes[kind] / ms / 1e6
+        if kind in late and np.isfinite(late[kind]).any():
+            v = np.array(late[kind])
+            part.update(other_thread_us=float(np.nanmedian(v)), other_thread_p90_us=float(np.nanpercentile(v, 90)),
+                        other_thread_never=float(np.isnan(v).mean()))
+        out["parts"][kind] = part
+    return out
+
+
+def print_decode_parts(res: dict, title: str) -> None:
+    print(title)
+    print(f"  forward {res['forward_ms']:.2f} ms, sampler {res['sampler_ms']:.2f} ms (LM head "
+          f"{res['lm_head_ms']:.2f}), forward end to sampler start {res['forward_to_sampler_us']:.0f} us, "
+          f"sampler end to the next forward {res['sampler_to_next_forward_us']:.0f} us")
+    for kind, part in res["parts"].items():
+        rate = f"  {part['weight_gbps']:5.1f} GB/s of weights" if "weight_gbps" in part else ""
+        lag = (f"; other thread started after {part['other_thread_us']:.0f} us (p90 {part['other_thread_p90_us']:.0f})"
+               f", never in {part['other_thread_never']:.0%}") if "other_thread_us" in part else ""
+        print(f"  {kind:15s} {part['ms']:6.2f} ms{rate}{lag}")
+
+
 def trace_prefills(ap: argparse.ArgumentParser, model: str, cases: list[tuple[int, int]]) -> None:
     """One traced prefill step per case: the forward, its attention calls, the rest; then the attention fit."""
     from jaxserve.core.sampling_params import SamplingParams
@@ -151,46 +218,9 @@ def main() -> None:
         engine.step()
     profile = traced(lambda: [engine.step() for _ in range(args.steps)])
 
-    spec = engine.spec
-    h, d = spec.hidden_size, spec.head_dim
-    qkv_out = (spec.num_heads + 2 * spec.num_kv_heads) * d
-    weight_bytes = {"qkv": h * qkv_out * 4, "o": spec.num_heads * d * h * 4,
-                    "gate_up": h * 2 * spec.intermediate_size * 4, "down": spec.intermediate_size * h * 4}
-    runs = executions(profile)
-    layers = spec.num_layers
-    forwards = [r for r in runs if sum(t[2].startswith("ffi_call") for t in r[2]) >= len(LAYER_CALLS) * layers]
-    samplers = [r for r in runs if r not in forwards]
-    parts: dict[str, list[float]] = collections.defaultdict(list)
-    late: dict[str, list[float]] = collections.defaultdict(list)
-    starts = helper_starts(profile)
-    for _, dur, thunks in forwards:
-        calls = [t for t in thunks if t[2].startswith("ffi_call")][: len(LAYER_CALLS) * layers]
-        per = collections.defaultdict(float)
-        for i, (t0, t_dur, _) in enumerate(calls):
-            kind = LAYER_CALLS[i % len(LAYER_CALLS)]
-            per[kind] += t_dur
-            j = bisect.bisect_left(starts, t0)
-            if kind != "attention":
-                late[kind].append((starts[j] - t0) / 1e3 if j < len(starts) and starts[j] < t0 + t_dur else np.nan)
-        per["other thunks"] = sum(t[1] for t in thunks) - sum(t[1] for t in calls)
-        per["between thunks"] = dur - sum(t[1] for t in thunks)
-        for kind, ns in per.items():
-            parts[kind].append(ns)
-    gaps = [b[0] - (a[0] + a[1]) for a, b in itertools.pairwise(runs) if a in forwards and b in samplers]
-    print(f"{args.model}, {engine.last_step.num_decode_tokens} decoding, {args.steps} traced steps (medians):")
-    print(f"  forward {np.median([r[1] for r in forwards]) / 1e6:.2f} ms, sampler (LM head and sampling) "
-          f"{np.median([r[1] for r in samplers]) / 1e6:.2f} ms, forward end to sampler start "
-          f"{np.median(gaps) / 1e3:.0f} us")
-    for kind, ns in parts.items():
-        ms = float(np.median(ns)) / 1e6
-        rate = f"  {layers * weight_bytes[kind] / ms / 1e6:5.1f} GB/s of weights" if kind in weight_bytes else ""
-        lag = ""
-        if kind in late:
-            v = np.array(late[kind])
-            lag = (f"; other thread started after {np.nanmedian(v):.0f} us (p90 {np.nanpercentile(v, 90):.0f}), "
-                   f"never in {np.isnan(v).mean():.0%}") if np.isfinite(v).any() else "; other thread never started"
-        print(f"  {kind:15s} {ms:6.2f} ms{rate}{lag}")
-
+    res = decode_parts(profile, engine.spec)
+    print_decode_parts(res, f"{args.model}, {engine.last_step.num_decode_tokens} decoding, {args.steps} traced steps "
+                            "(medians):")
 
 if __name__ == "__main__":
     main()

@@ -27,13 +27,14 @@ ENGINE_FLAGS = ["--model", "tiny", "--max-num-seqs", "16", "--max-num-batched-to
 @contextlib.contextmanager
 def role_server(mode: str | None, chunked_transfer: bool = True, **overrides) -> Iterator[LiveServer]:
     """One server of `mode` (None, "prefill", "decode") built as `jaxserve serve` builds it, live in a thread."""
-    from jaxserve.disagg.roles import DisaggregationConfig
+    from jaxserve.disagg.config import DisaggregationConfig
+    from jaxserve.disagg.roles import role_app, role_engine
 
     role = DisaggregationConfig(mode=mode, kv_transfer_timeout=30.0, chunked_transfer=chunked_transfer)
-    engine = role.engine(EngineConfig(**{**ENGINE_ARGS, **overrides}), "127.0.0.1")
+    engine = role_engine(role, EngineConfig(**{**ENGINE_ARGS, **overrides}), "127.0.0.1")
     engine.start()
     try:
-        with LiveServer(role.app(engine)) as live:
+        with LiveServer(role_app(engine)) as live:
             live.engine = engine
             yield live
     finally:

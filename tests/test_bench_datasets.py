@@ -91,3 +91,15 @@ def test_poisson_counts_per_window_are_poisson():
 
 def test_infinite_rate_sends_everything_at_once():
     assert np.all(arrival_offsets(7, math.inf) == 0)
+
+
+def test_default_lengths_fit_the_servers_context() -> None:
+    from jaxserve.measure.bench.datasets import fit_lengths
+
+    assert fit_lengths(8192) == (512, 64)
+    assert fit_lengths(512) == (448, 64)  # bard: 512 + 64 would not fit
+    assert fit_lengths(256, range_ratio=0.5) == (138, 32)  # the longest request, 207 + 48, still fits
+    assert fit_lengths(512, "multi-turn", turns=4) == (112, 16)  # the last turn holds all four messages and answers
+    assert fit_lengths(512, input_len=100, output_len=10) == (100, 10)  # given lengths are kept
+    with pytest.raises(ValueError, match="leaves no room"):
+        fit_lengths(64, output_len=64)

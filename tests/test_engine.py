@@ -82,7 +82,7 @@ def test_stop_token_ids_end_the_request_on_that_token(tiny_llm):
     assert out.finish_reason == "stop" and out.outputs[0].stop_reason == target
 
 
-def test_metrics_follow_the_guide_definitions(tiny_llm):
+def test_timestamps_are_ordered_and_tpot_is_the_mean_gap_after_the_first_token(tiny_llm):
     out = tiny_llm.generate(["timing"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     m = out.metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finish_time

@@ -78,6 +78,14 @@ def test_hardware_profile_and_hf_config_paths(capsys, tmp_path):
     (["--scheduler", "lottery"], "lottery"),
     (["--moe-kernels", "fast"], "fast"),
     (["--dtype", "fp7"], "fp7"),
+    (["--model", "llama-3.1-8b", "--input-len", "10000000"], "exceed llama-3.1-8b's context of 131072 tokens"),
+    (["--model", "llama-3.1-8b", "--input-len", "100000", "--output-len", "20000", "--spread", "0.5"],
+     "up to 180000 with --spread 0.5"),
+    (["--model", "deepseek-v3", "--num-devices", "8"], "would fit: int4 weights (--dtype int4) on these 8 devices"),
+    (["--model", "llama-3.1-70b", "--num-devices", "1"],
+     "would fit: fp8 weights (--quantization fp8) on this device; or 2 x h100-sxm in bf16 (--num-devices 2)"),
+    (["--model", "llama-3.1-70b", "--num-devices", "1", "--quantization", "fp8", "--input-len", "120000"],
+     "or requests of at most 16384 tokens (input + output) on this device"),
 ])
 def test_bad_input_is_one_line_on_stderr_with_exit_2(capsys, args, words):
     code, out, err = run(capsys, *args)
@@ -117,3 +125,13 @@ def test_catalog_lists_every_required_device():
     for name in ("h100-sxm", "h200", "a100-80g", "a100-40g", "l40s", "b200", "mi300x", "tpu-v5e", "tpu-v5p", "cpu"):
         hw = CATALOG[name]
         assert {"compute", "memory", "intra_node"} <= set(hw.sources), name
+
+
+def test_disaggregate_says_what_it_compares(capsys):
+    from jaxserve.cli.main import main
+
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "llama-3.1-8b", "--num-devices", "8", "--disaggregate", "--json"])
+    compared = json.loads(capsys.readouterr().out)["disaggregated"]["compared"]
+    assert "of the 8 devices" in compared and "colocated plan on all 8" in compared
+    assert "goodput per device" in compared and "no SLOs given" in compared

@@ -102,6 +102,7 @@ def test_bard_is_the_default_of_the_commands_a_person_runs_first():
     assert serve.make_context("serve", []).params["model"] == "bard"
     assert generate.make_context("generate", ["--prompt", "x"]).params["model"] == "bard"
     assert perplexity_command.make_context("perplexity", []).params["model"] == "bard"
+    assert bench.get_command(None, "serve").make_context("serve", []).params["model"] == "bard"  # serve's, to match
     latency = bench.get_command(None, "latency")
     assert latency.make_context("latency", []).params["model"] == "tiny"  # benchmarks keep the synthetic preset
 

@@ -45,11 +45,32 @@ def _stderr_lines(proc: subprocess.Popen) -> queue.Queue[str]:
     (["--kv-cache-memory", "12XB"], "12XB"),
     (["--max-num-seqs", "0"], "--max-num-seqs"),
     (["--no-such-flag"], "--no-such-flag"),
+    (["tiny", "--model", "small"], "two models given"),
+    (["--enforce-eager"], "--enforce-eager cannot apply"),
+    (["--tool-call-parser", "mistral"], "--tool-call-parser mistral cannot apply"),
+    (["--allowed-origins", "*"], "JSON list"),
+    (["--chat-template", "no-such-file.jinja"], "--chat-template"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(args: list[str], mentions: str) -> None:
     code, err = run_cli("serve", *args)
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and mentions in err, err
+
+
+def test_vllm_spellings_reach_the_same_settings() -> None:
+    from jaxserve.cli.serve import serve
+
+    ctx = serve.make_context("serve", ["tiny", "--kv-cache-memory-bytes", "16MiB", "--allowed-origins",
+                                       '["https://a.example"]', "--disable-log-stats"])
+    assert ctx.params["model_tag"] == "tiny" and ctx.params["kv_cache_memory"] == 16 * 2**20
+    assert ctx.params["allowed_origins"] == ("https://a.example",) and ctx.params["disable_log_stats"]
+
+
+def test_half_a_tls_pair_is_refused(tmp_path) -> None:
+    key = tmp_path / "key.pem"
+    key.write_text("not read before the check")
+    code, err = run_cli("serve", "--ssl-keyfile", str(key))
+    assert code == 2 and "--ssl-keyfile and --ssl-certfile go together" in err
 
 
 def test_a_busy_port_is_one_line_before_the_engine_is_built() -> None:
@@ -121,3 +142,14 @@ def test_signal_with_requests_in_flight_exits_0_within_5s(sig: signal.Signals) -
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_chat_template_is_a_file_or_the_templates_text(tmp_path) -> None:
+    from jaxserve.cli.serve_flags import engine_overrides
+
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "chat.jinja"
+    path.write_text(template)
+    base = {"enforce_eager": False, "enable_auto_tool_choice": True, "tool_call_parser": "hermes", "tokenizer": None}
+    assert engine_overrides({**base, "chat_template": str(path)})["chat_template"] == template
+    assert engine_overrides({**base, "chat_template": template})["chat_template"] == template

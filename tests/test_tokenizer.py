@@ -127,3 +127,16 @@ def test_chat_template_file_and_missing_tokenizer(tmp_path, hf_folder):
     empty = tmp_path / "no_tok"
     empty.mkdir()
     assert load_tokenizer(empty) is None
+
+
+def test_vllms_tokenizer_flag_takes_a_folder_or_says_why_not(tmp_path) -> None:
+    from jaxserve.core.tokenizer import load_tokenizer_override
+    from modelspec.spec import PRESETS, load_model_spec, resolve_model_path
+
+    bard = load_model_spec("bard")
+    tok = load_tokenizer_override(resolve_model_path("bard"), bard)
+    assert tok.decode(tok.encode("ROMEO:", add_special_tokens=False)) == "ROMEO:"
+    with pytest.raises(ValueError, match="tiny is synthetic"):
+        load_tokenizer_override(resolve_model_path("bard"), PRESETS["tiny"])
+    with pytest.raises(ValueError, match="no tokenizer.json there"):
+        load_tokenizer_override(str(tmp_path), bard)

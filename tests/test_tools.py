@@ -200,3 +200,29 @@ def test_enforced_calls_parse_in_every_run_on_bard(bard_client: openai.OpenAI, c
         assert parallel is not False or len(c.message.tool_calls) == 1
         for call in c.message.tool_calls:
             assert isinstance(json.loads(call.function.arguments), dict)
+
+
+def test_tools_are_described_compactly_for_a_template_without_them() -> None:
+    (system,) = [m for m in template_messages([], TOOLS, "{{ messages }}") if m["role"] == "system"]
+    lines = system["content"].splitlines()
+    assert "<tool_call>" in lines[0]
+    assert lines[1:] == ['get_weather(city: string, days: integer): The weather in a city',
+                         'get_time(zone: "UTC"|"CET"|"PST")']
+
+
+def test_a_context_error_says_how_many_tokens_the_tools_took() -> None:
+    from jaxserve.core.tokenizer import ByteTokenizer
+    from jaxserve.server.app import build_app
+
+    fake = FakeEngine(max_model_len=160)
+    fake.tokenizer = ByteTokenizer()  # jaxserve's, whose chat template leaves the tools to a system message
+    with LiveServer(build_app(fake)) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "weather?"}],
+                                           tools=TOOLS, max_tokens=64)
+    message = e.value.body["message"]
+    took = int(re.search(r"The 2 tools took (\d+) of its tokens", message).group(1))
+    # the byte tokenizer: the tools' system message is one token a byte, plus the template's framing of it
+    system = template_messages([], TOOLS, "{{ messages }}")[0]["content"]
+    assert len(system.encode()) <= took <= len(system.encode()) + 32

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
@@ -11,10 +12,12 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from jaxserve.cli.engine_flags import config_from_options, engine_options
+from jaxserve.cli.log_setup import setup_logging
 from jaxserve.cli.output_paths import check_writable
-from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.measure.calibrate.calibrate import Calibration, CalibrationConfig, calibrate
 from planner.hardware import GIGA
+
+if TYPE_CHECKING:
+    from jaxserve.measure.calibrate.calibrate import Calibration, CalibrationConfig
 
 
 def summary_rows(cal: Calibration) -> list[tuple[str, str]]:
@@ -34,6 +37,8 @@ def summary_rows(cal: Calibration) -> list[tuple[str, str]]:
 
 def run_with_progress(engine, cfg: CalibrationConfig, seed: int = 0) -> Calibration:
     """`calibrate` under a rich progress bar."""
+    from jaxserve.measure.calibrate.calibrate import calibrate
+
     with Progress(TextColumn("{task.description:<55}"), BarColumn(), TimeElapsedColumn(), transient=True) as bar:
         task = bar.add_task("calibrating", total=1.0)
         return calibrate(engine, cfg, lambda phase, frac: bar.update(task, description=phase, completed=frac),
@@ -47,12 +52,16 @@ def run_with_progress(engine, cfg: CalibrationConfig, seed: int = 0) -> Calibrat
 @click.option("--quick", is_flag=True, help="Tiny measurement sizes (tests, smoke runs).")
 def calibrate_command(out: str, quick: bool, **options) -> None:
     """Measure this device and the engine; write a hardware profile for `jaxserve plan --hardware`."""
+    from jaxserve.engine.llm_engine import LLMEngine  # JAX loads here, not for --help
+    from jaxserve.measure.calibrate.calibrate import CalibrationConfig
+
     check_writable(out)
     seed = options["seed"]
     config = config_from_options(options)
     if config.async_scheduling:  # each step is timed around one `step()` call, which overlap would blur
         raise click.UsageError("calibrate times the synchronous engine loop; drop --async-scheduling")
     config.async_scheduling = False  # unset: not the platform's default either (a GPU's is the overlapped loop)
+    setup_logging()  # the engine's start-up progress (kernels, compiles) on the log
     t0 = time.monotonic()
     try:
         engine = LLMEngine(config)

@@ -7,9 +7,7 @@ import time
 import click
 
 from jaxserve.cli.output_paths import check_writable
-from jaxserve.model.checkpoint import convert as convert_checkpoint
-from jaxserve.model.dtypes import ARRAY_DTYPES
-from jaxserve.model.weights import CheckpointError
+from jaxserve.config.engine import ARRAY_DTYPES
 from modelspec.spec import ModelSpecError
 
 
@@ -19,6 +17,9 @@ from modelspec.spec import ModelSpecError
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(ARRAY_DTYPES))
 def convert(src: str, dst: str, dtype: str) -> None:
     """Convert an HF safetensors checkpoint folder SRC into jaxserve's orbax format at DST (faster to load)."""
+    from jaxserve.model.checkpoint import convert as convert_checkpoint  # JAX loads here, not for --help
+    from jaxserve.model.weights import CheckpointError
+
     check_writable(dst, is_dir=True)
     t = time.perf_counter()
     try:

@@ -7,7 +7,8 @@ from typing import Any
 
 import click
 
-from jaxserve.disagg.roles import DisaggregationConfig
+from jaxserve.config.engine import EngineConfig
+from jaxserve.disagg.config import DisaggregationConfig
 
 NAMES = ("disaggregation_mode", "disaggregation_transfer_port", "kv_transfer_timeout", "prefill_urls",
          "disaggregation_chunked_transfer")
@@ -50,5 +51,13 @@ def disaggregation_from_options(options: dict[str, Any]) -> DisaggregationConfig
                                     kv_transfer_timeout=values["kv_transfer_timeout"],
                                     prefill_urls=tuple(u.rstrip("/") for u in values["prefill_urls"]),
                                     chunked_transfer=values["disaggregation_chunked_transfer"])
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def check_role(role: DisaggregationConfig, config: EngineConfig) -> None:
+    """What the role cannot run with, as a UsageError before anything loads."""
+    try:
+        role.check(config)
     except ValueError as e:
         raise click.UsageError(str(e)) from None

@@ -5,6 +5,7 @@ Names follow `vllm serve`; they map one-to-one onto `EngineConfig` fields.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Callable
@@ -12,9 +13,8 @@ from typing import Any
 
 import click
 
-from jaxserve.config.engine import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
-from jaxserve.engine.factory import create_engine
-from jaxserve.model.dtypes import RUNTIME_DTYPES
+from jaxserve.config.engine import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, RUNTIME_DTYPES, EngineConfig
+from modelspec.spec import load_model_spec
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -58,8 +58,9 @@ _OPTIONS = [
                  type=click.IntRange(min=1), help="Largest prefill chunk of one request per step."),
     click.option("--block-size", "page_size", default=EngineConfig.page_size, show_default=True,
                  type=click.IntRange(min=1), help="Tokens per KV page."),
-    click.option("--kv-cache-memory", type=_Bytes(), default=None,
-                 help="KV pool bytes per device (e.g. 512MiB); default: a fraction of GPU memory, 1 GiB on CPU."),
+    click.option("--kv-cache-memory", "--kv-cache-memory-bytes", "kv_cache_memory", type=_Bytes(), default=None,
+                 help="KV pool bytes per device (e.g. 512MiB; vLLM's --kv-cache-memory-bytes); default: a fraction "
+                      "of GPU memory, 1 GiB on CPU."),
     click.option("--gpu-memory-utilization", default=0.9, show_default=True, type=click.FloatRange(0, 1)),
     click.option("--max-model-len", type=click.IntRange(min=1), default=None),
     click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True),
@@ -136,14 +137,23 @@ def config_from_options(options: dict[str, Any], **overrides: Any) -> EngineConf
     """Pop the engine flags out of a command's kwargs into an EngineConfig (bad values -> UsageError)."""
     fields = {name: options.pop(name) for name in ENGINE_OPTION_NAMES if name in options}
     try:
-        return EngineConfig(**fields, **overrides)
+        config = EngineConfig(**fields, **overrides)
+        load_model_spec(config.model)  # an unknown model is one line now, not after JAX loads
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    return config
 
 
 def build_engine(config: EngineConfig, *, announce: bool = True):
     """The engine the flags ask for (colocated, disaggregated or multi-host); a bad config is a UsageError."""
+    from jaxserve.cli.log_setup import setup_logging
+
+    setup_logging()
+    logging.getLogger("jaxserve").info("loading JAX and building the engine for %s (a first start on this machine "
+                                       "also builds kernels and compiles: a minute or two)", config.model)
     t0 = time.monotonic()
+    from jaxserve.engine.factory import create_engine  # JAX loads here, not for --help
+
     try:
         engine = create_engine(config)
     except ValueError as e:

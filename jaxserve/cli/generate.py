@@ -8,6 +8,11 @@ from jaxserve.cli.engine_flags import build_engine, config_from_options, serving
 from jaxserve.core.sampling_params import SamplingParams
 
 
+def _visible(text: str) -> bool:
+    """Whether a terminal shows something of `text` (not only spaces, control bytes or U+FFFD)."""
+    return any(ch.isprintable() and not ch.isspace() and ch != "\ufffd" for ch in text)
+
+
 @click.command()
 @serving_engine_options
 @click.option("--prompt", required=True, help="Prompt text (or comma-separated token ids with --token-ids).")
@@ -42,6 +47,10 @@ def generate(prompt: str, token_ids: bool, max_tokens: int, temperature: float, 
             click.echo(text[shown:], nl=False)
             shown = len(text)
     click.echo()
+    if out is not None and out.token_ids and not _visible(out.text) and engine.tokenizer is not None:
+        # e.g. a synthetic model's random bytes: say what came out rather than print an empty line
+        click.echo(f"(no visible text: token ids {', '.join(map(str, out.token_ids[:32]))}"
+                   + (", ...)" if len(out.token_ids) > 32 else ")"))
     if out is not None and out.metrics.ttft is not None:
         m = out.metrics
         tpot = f", TPOT {m.tpot * 1e3:.1f} ms" if m.tpot is not None else ""

@@ -183,6 +183,7 @@ def report(result: PlanResult, top: int = 5, console: Console | None = None) -> 
                   f"decode {d['decode']['instances']} x tp{d['decode']['tp']} (P:D devices {d['pd_ratio']}), "
                   f"KV transfer {d['kv_transfer_ms']:.2f} ms/request, goodput/device {d['goodput_per_device']:.3f}"
                   f" vs colocated {d['colocated_goodput_per_device']:.3f}")
+        con.print(f"  compares {d['compared']}")
         con.print(f"[bold]as servers[/bold]: {d['prefill']['instances']} x `jaxserve serve --disaggregation-mode "
                   f"prefill --tensor-parallel-size {d['prefill']['tp']}`, {d['decode']['instances']} x `jaxserve serve "
                   f"--disaggregation-mode decode --tensor-parallel-size {d['decode']['tp']}`, behind `jaxserve router "

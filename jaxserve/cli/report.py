@@ -7,13 +7,16 @@ from pathlib import Path
 
 import click
 
+from jaxserve.cli.log_setup import setup_logging
 from jaxserve.cli.output_paths import check_writable
-from jaxserve.config.engine import KV_CACHE_DTYPES, QUANTIZATIONS
+from jaxserve.config.engine import KV_CACHE_DTYPES, QUANTIZATIONS, RUNTIME_DTYPES
 from jaxserve.config.speculative import parse_speculative_config
-from jaxserve.measure.report.context import ReportConfig, fmt
-from jaxserve.measure.report.disagg import pools_option, provide_devices
-from jaxserve.measure.report.run import run_report
-from jaxserve.model.dtypes import RUNTIME_DTYPES
+
+
+def _pools_option(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, int] | None:
+    from jaxserve.measure.report.disagg import pools_option  # JAX loads when the command runs, not for --help
+
+    return pools_option(ctx, param, value)
 
 
 @click.command("report")
@@ -33,7 +36,7 @@ from jaxserve.model.dtypes import RUNTIME_DTYPES
 @click.option("--context-lens", default=None, help="Grid context lengths, comma-separated.")
 @click.option("--long-prompt-len", default=None, type=click.IntRange(min=16))
 @click.option("--load-num-prompts", default=None, type=click.IntRange(min=2))
-@click.option("--disagg", default=None, metavar="P+D", callback=pools_option,
+@click.option("--disagg", default=None, metavar="P+D", callback=_pools_option,
               help="Also serve a burst on P prefill + D decode devices (on CPU: P + D fake devices, at most "
                    "the cores) and compare each pool's capacity with the planner's.")
 @click.option("--speculative-config", default=None, metavar="JSON",
@@ -44,6 +47,10 @@ def report_command(model: str, dtype: str, quantization: str | None, kv_cache_dt
                    load_num_prompts: int | None, disagg: tuple[int, int] | None,
                    speculative_config: str | None) -> None:
     """Measured vs predicted: calibrate, grid, two loads, chunked prefill (+ --disagg); DIR/report.*."""
+    from jaxserve.measure.report.context import ReportConfig, fmt
+    from jaxserve.measure.report.disagg import provide_devices
+    from jaxserve.measure.report.run import run_report
+
     if disagg and (quantization or kv_cache_dtype != "auto"):
         raise click.UsageError("--quantization and --kv-cache-dtype run on one device; drop --disagg")
     if disagg:  # before anything starts JAX: on CPU the devices are created with the backend
@@ -72,6 +79,7 @@ def report_command(model: str, dtype: str, quantization: str | None, kv_cache_dt
         cfg = replace(cfg, long_prompt_len=long_prompt_len)
     if load_num_prompts:
         cfg = replace(cfg, load_num_prompts=load_num_prompts)
+    setup_logging()  # the engines' start-up progress (kernels, compiles) on the log
     try:
         report = run_report(cfg, out_dir, profile, log=lambda m: click.echo(m, err=True))
     except ValueError as e:

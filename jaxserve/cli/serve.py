@@ -2,8 +2,10 @@
 
 SIGINT/SIGTERM: uvicorn stops accepting connections, in-flight requests are aborted (a whole response is then
 a 503, a stream ends with an error event), the engine loop is stopped, and the process exits 0 within a few
-seconds. The flags bounding clients (keys, sizes, waiting, time) are described in docs/server.md.
-Heavy imports (jax, fastapi, uvicorn) happen inside the command so `jaxserve plan` stays light.
+seconds. The flags bounding clients (keys, sizes, waiting, time) are described in docs/server.md; the `vllm
+serve` flags taken, renamed or lacking in docs/vllm_flags.md. Heavy imports (jax, uvicorn, the app) happen after
+the first log line, inside the command, so `--help` and `jaxserve plan` stay light and a cold start is never
+silent.
 """
 
 from __future__ import annotations
@@ -15,12 +17,19 @@ import time
 from typing import Any
 
 import click
-import uvicorn
 
-from jaxserve.cli.disagg_flags import disaggregation_from_options, disaggregation_options
-from jaxserve.cli.engine_flags import config_from_options, parse_bytes, serving_engine_options
-from jaxserve.server.limits import ServerLimits
-from jaxserve.server.transport import tune_interpreter, uvicorn_config
+import jaxserve
+from jaxserve.cli.disagg_flags import check_role, disaggregation_from_options, disaggregation_options
+from jaxserve.cli.engine_flags import config_from_options, serving_engine_options
+from jaxserve.cli.log_setup import setup_logging
+from jaxserve.cli.serve_flags import (
+    cors_config,
+    engine_overrides,
+    limit_options,
+    server_limits,
+    ssl_files,
+    vllm_server_options,
+)
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -39,51 +48,21 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-class _Size(click.ParamType):
-    name = "SIZE"
-
-    def convert(self, value: Any, param: Any, ctx: Any) -> int:
-        return value if isinstance(value, int) else parse_bytes(str(value))
-
-
-def _limit_options(f: Any) -> Any:
-    """Server-only flags: vLLM's names where vLLM has the flag, TGI-style names otherwise."""
-    d = ServerLimits()
-    options = [
-        click.option("--api-key", "api_keys", multiple=True, envvar="JAXSERVE_API_KEY",
-                     help="Require 'Authorization: Bearer KEY' on every route but /health (vLLM's flag). Repeat for "
-                          "several keys; default from $JAXSERVE_API_KEY (several separated by spaces)."),
-        click.option("--max-request-body-bytes", type=_Size(), default=d.max_request_body_bytes, show_default=True,
-                     help="Largest request body (413 past it; TGI's --payload-limit)."),
-        click.option("--max-prompts-per-request", type=click.IntRange(min=1), default=d.max_prompts_per_request,
-                     show_default=True, help="Most engine sequences (prompts x n) one request may ask for (400)."),
-        click.option("--max-num-waiting", type=click.IntRange(min=0), default=d.max_num_waiting, show_default=True,
-                     help="Sequences admitted beyond --max-num-seqs before new requests get 429 with Retry-After "
-                          "(TGI-style, as its --max-concurrent-requests)."),
-        click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
-                     help="Seconds a request may take from arrival to its last token (504 past it); default none."),
-        click.option("--stream-buffer-tokens", type=click.IntRange(min=0), default=d.stream_buffer_tokens,
-                     show_default=True, help="Tokens the engine may run ahead of a stream's reader before the request "
-                                             "is aborted and its connection closed (0: no bound)."),
-        click.option("--request-read-timeout", type=click.FloatRange(min=0, min_open=True),
-                     default=d.request_read_timeout, show_default=True,
-                     help="Seconds a client has to send a request's headers and body (408 and close past it)."),
-        click.option("--structured-outputs-cache-bytes", type=_Size(), default=d.structured_outputs_cache_bytes,
-                     show_default=True, help="Memory the compiled grammars of structured outputs and tool calls may "
-                                             "hold (an LRU, by bytes); one grammar may take a quarter of it (400 "
-                                             "past that)."),
-        click.option("--structured-outputs-compile-timeout", type=click.FloatRange(min=0, min_open=True),
-                     default=d.structured_outputs_compile_timeout, show_default=True,
-                     help="Seconds one grammar may take to compile, in a worker process (400 past it)."),
-    ]
-    for option in reversed(options):
-        f = option(f)
-    return f
+def _model_from_tag(ctx: click.Context, tag: str | None, options: dict[str, Any]) -> None:
+    """vLLM's positional model (`jaxserve serve tiny`) into --model; both given must agree."""
+    if tag is None:
+        return
+    given = ctx.get_parameter_source("model") == click.core.ParameterSource.COMMANDLINE
+    if given and options["model"] != tag:
+        raise click.UsageError(f"two models given: {tag} (positional) and --model {options['model']}; give one")
+    options["model"] = tag
 
 
 @click.command("serve")
+@click.argument("model_tag", required=False, metavar="[MODEL]")
 @serving_engine_options
-@_limit_options
+@limit_options
+@vllm_server_options
 @disaggregation_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on.")
@@ -92,30 +71,39 @@ def _limit_options(f: Any) -> Any:
               help="Seconds between stats log lines.")
 @click.option("--uvicorn-log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug", "trace"]))
-def serve(host: str, port: int, served_model_name: str | None, log_interval: float, uvicorn_log_level: str,
-          **options: Any) -> None:
-    """Serve a model over an OpenAI-compatible HTTP API (with no --model: bard, the trained model that ships)."""
-    names = ("api_keys", "max_request_body_bytes", "max_prompts_per_request", "max_num_waiting", "request_timeout",
-             "stream_buffer_tokens", "request_read_timeout", "structured_outputs_cache_bytes",
-             "structured_outputs_compile_timeout")
-    try:
-        limits = ServerLimits(**{k: options.pop(k) for k in names})
-    except ValueError as e:  # e.g. an empty --api-key
-        raise click.UsageError(str(e)) from None
+@click.pass_context
+def serve(ctx: click.Context, model_tag: str | None, host: str, port: int, served_model_name: str | None,
+          log_interval: float, uvicorn_log_level: str, **options: Any) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API (MODEL or --model; default: bard, the trained model that
+    ships). `jaxserve serve tiny` works as `vllm serve` does."""
+    _model_from_tag(ctx, model_tag, options)
+    limits = server_limits(options)
+    cors = cors_config(options)
+    ssl = ssl_files(options)
+    root_path = options.pop("root_path")
+    stats_interval = None if options.pop("disable_log_stats") else log_interval
     role = disaggregation_from_options(options)
-    config = config_from_options(options, served_model_name=served_model_name)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("jaxserve").setLevel(logging.INFO)
-
+    config = config_from_options(options, served_model_name=served_model_name, **engine_overrides(options))
+    check_role(role, config)
     t0 = time.monotonic()
     # Only process 0 serves; the followers of a multi-host mesh never return from building the engine.
     sock = _listen(host, port) if config.process_id == 0 else None
+    setup_logging()
+    scheme = "https" if ssl else "http"
+    logger.info("jaxserve %s: starting model %s for %s://%s:%d/v1 (loading JAX; a first start on this machine "
+                "also builds kernels and compiles, which takes a minute or two)", jaxserve.__version__,
+                config.model, scheme, host, port)
+    import uvicorn  # after the first log line: these load JAX and the web stack
+
+    from jaxserve.disagg.roles import role_app, role_engine
+    from jaxserve.server.transport import tune_interpreter, uvicorn_config
+
     try:
-        engine = role.engine(config, host)
+        engine = role_engine(role, config, host)
     except ValueError as e:  # e.g. an unknown model name or a pool too small for one sequence
         raise click.UsageError(str(e)) from None
     engine.start()
-    app = role.app(engine, log_interval=log_interval, limits=limits)
+    app = role_app(engine, log_interval=stats_interval, limits=limits, cors=cors)
     tune_interpreter()
 
     class _Server(uvicorn.Server):
@@ -124,8 +112,9 @@ def serve(host: str, port: int, served_model_name: str | None, log_interval: flo
             if self.started:
                 bound = [s.getsockname() for srv in self.servers for s in (srv.sockets or [])]
                 actual = bound[0][1] if bound else port
-                logger.info("jaxserve ready: model %s at http://%s:%d/v1 (max_model_len %d, startup %.1fs)",
-                            config.model_name, host, actual, engine.max_model_len, time.monotonic() - t0)
+                logger.info("jaxserve ready: model %s at %s://%s:%d%s/v1 (max_model_len %d, startup %.1fs)",
+                            config.model_name, scheme, host, actual, root_path, engine.max_model_len,
+                            time.monotonic() - t0)
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             # Abort in-flight requests so their streams end now instead of holding the shutdown. Unlike
@@ -136,7 +125,7 @@ def serve(host: str, port: int, served_model_name: str | None, log_interval: flo
             self.should_exit = True
 
     server = _Server(uvicorn_config(app, host, port, limits, log_level=uvicorn_log_level, access_log=False,
-                                    timeout_graceful_shutdown=2, lifespan="on"))
+                                    timeout_graceful_shutdown=2, lifespan="on", root_path=root_path, **ssl))
     try:
         server.run(sockets=[sock] if sock else None)
     finally:

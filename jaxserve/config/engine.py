@@ -7,12 +7,15 @@ from typing import Any
 
 from jaxserve.config.speculative import SpeculativeConfig, parse_speculative_config
 
+# What `--dtype` accepts for weights and activations; "auto" is the platform policy's (`policy.default_dtype`).
+ARRAY_DTYPES = ("float32", "bfloat16", "float16")
+RUNTIME_DTYPES = ("auto", *ARRAY_DTYPES)
 # `--quantization`: the weight formats jaxserve/model/quantize.py can run.
 QUANTIZATIONS = ("int8", "fp8")
-# `--attention-backend`: auto picks at start-up (jaxserve/model/attention/select.py); the others force one.
+# `--attention-backend`: auto picks at start-up (jaxserve/platform/attention_choice.py); the others force one.
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas", "pallas-split")
 # `--kv-cache-dtype` (vLLM's names): auto stores KV in `dtype`; int8 and fp8 (e4m3) store codes with one float32
-# scale per token per KV head (model/attention/kv_quant.py). fp8_e4m3 is vLLM's other name for fp8.
+# scale per token per KV head (kernels/kv_quant.py). fp8_e4m3 is vLLM's other name for fp8.
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
 
 
@@ -26,6 +29,10 @@ class EngineConfig:
     """
 
     model: str = "tiny"
+    # vLLM's --tokenizer: a folder holding tokenizer.json, in place of the model's own (None: the model's).
+    tokenizer: str | None = None
+    # vLLM's --chat-template: the Jinja template's text, in place of the tokenizer's (None: the tokenizer's).
+    chat_template: str | None = None
     dtype: str = "auto"
     seed: int = 0
     max_num_seqs: int = 64
@@ -45,7 +52,7 @@ class EngineConfig:
     # vLLM's --speculative-config (a JSON string or dict on the way in, a SpeculativeConfig after __post_init__).
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     # On a CPU in float32, attention and the matmuls of steps of up to 32 tokens run in jaxserve's C++ kernels
-    # (model/cpu_kernels.py), built on first use; off, or where no compiler works, they stay in XLA.
+    # (kernels/cpu/library.py), built on first use; off, or where no compiler works, they stay in XLA.
     cpu_kernels: bool = True
     # Paged attention's implementation; the engine replaces "auto" by what it resolved to at start-up.
     attention_backend: str = "auto"

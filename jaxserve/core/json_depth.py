@@ -1,8 +1,8 @@
 """The nesting depth of JSON text, measured without parsing it: json.loads, pydantic and llguidance all recurse
 over nesting, so a body, a schema or a tool call's arguments is measured first and refused past a bound.
 
-Vectorised (numpy): a 2 MB body takes a few milliseconds. Brackets inside strings do not count; a quote
-preceded by an odd run of backslashes is inside its string.
+Vectorised (numpy), so a MB-sized body costs no Python loop over its bytes (docs/results.md). Brackets inside
+strings do not count; a quote preceded by an odd run of backslashes is inside its string.
 """
 
 from __future__ import annotations

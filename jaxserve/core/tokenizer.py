@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from modelspec.spec import PRESETS, ModelSpec, resolve_model_path
@@ -127,6 +126,8 @@ class HFTokenizer(Tokenizer):
     """A `tokenizer.json` through the `tokenizers` library, chat template from the folder's config."""
 
     def __init__(self, folder: str | Path, spec: ModelSpec | None = None):
+        import tokenizers  # only checkpoints with a tokenizer.json need it (a bare GPU image may lack it)
+
         folder = Path(folder)
         try:
             self._tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -200,3 +201,18 @@ def load_tokenizer(model: str | Path, spec: ModelSpec | None = None) -> Tokenize
     if (folder / "tokenizer.json").is_file():
         return HFTokenizer(folder, spec)
     return None
+
+
+def load_tokenizer_override(path: str, spec: ModelSpec) -> Tokenizer:
+    """vLLM's `--tokenizer`: the tokenizer.json in folder `path`, for `spec`'s model; ValueError, in one line, where
+    it cannot apply (a synthetic model's byte tokenizer, no tokenizer.json, more ids than the model's vocabulary)."""
+    if spec.synthetic:
+        raise ValueError(f"--tokenizer cannot apply: {spec.name} is synthetic, with its own byte-level tokenizer")
+    folder = Path(path).expanduser()
+    if not (folder / "tokenizer.json").is_file():
+        raise ValueError(f"--tokenizer {path}: no tokenizer.json there")
+    tok = HFTokenizer(folder, spec)
+    if tok.vocab_size > spec.vocab_size:
+        raise ValueError(f"--tokenizer {path}: {tok.vocab_size} tokens, more than {spec.name}'s vocabulary of "
+                         f"{spec.vocab_size}")
+    return tok

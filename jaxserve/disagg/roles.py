@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import secrets
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
@@ -22,6 +21,7 @@ from fastapi import FastAPI
 from jaxserve.config.engine import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.disagg.config import DisaggregationConfig
 from jaxserve.disagg.kv_export import KVExporter, install_prefill_routes, kv_layout
 from jaxserve.disagg.kv_import import DecodeEngine
 from jaxserve.disagg.protocol import INFO_PATH, remote_prefill_supported
@@ -31,69 +31,37 @@ from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.server.app import build_app
 from jaxserve.server.limits import ServerLimits
 
-MODES = ("prefill", "decode")
 SEED_RANGE = 2**32
 
 
-@dataclass(frozen=True)
-class DisaggregationConfig:
-    """The serve command's disaggregation flags."""
+def role_engine(role: DisaggregationConfig, config: EngineConfig, host: str) -> AsyncEngine:
+    """The engine of `role` (not started); ValueError, one line, for what the role cannot run with."""
+    role.check(config)
+    if role.mode is None:
+        return AsyncEngine(config)
+    endpoint = TransferEndpoint(host, role.transfer_port)
+    if role.mode == "prefill":
+        return PrefillAsyncEngine(config, endpoint, role.kv_transfer_timeout)
+    return DecodeAsyncEngine(config, endpoint, role.kv_transfer_timeout, role.prefill_urls, role.chunked_transfer)
 
-    mode: str | None = None  # None, "prefill" or "decode"
-    transfer_port: int = 0
-    kv_transfer_timeout: float = 60.0  # seconds an offered block waits for its pull; a decode's wait per server
-    prefill_urls: tuple[str, ...] = ()  # a decode server's prefill servers when the router names none
-    chunked_transfer: bool = True  # a decode server asks for each prefill chunk's pages as they are computed
 
-    def __post_init__(self) -> None:
-        if self.mode is not None and self.mode not in MODES:
-            raise ValueError(f"--disaggregation-mode must be null, prefill or decode, got {self.mode!r}")
-        if self.prefill_urls and self.mode != "decode":
-            raise ValueError("--prefill-url is for --disaggregation-mode decode")
-        if self.kv_transfer_timeout <= 0:
-            raise ValueError("--kv-transfer-timeout must be positive")
+def role_app(engine: AsyncEngine, limits: ServerLimits | None = None, **app_args: Any) -> FastAPI:
+    """The HTTP app around a started `engine` from `role_engine`: `build_app`'s, plus the role's routes."""
+    limits = limits or ServerLimits()
+    app = build_app(engine, limits=limits, **app_args)
+    if isinstance(engine, PrefillAsyncEngine):
+        install_prefill_routes(app, engine, engine.exporter, limits.max_request_body_bytes)
+    elif isinstance(engine, DecodeAsyncEngine):
+        app.add_middleware(PrefillRouteMiddleware)
+        layout = engine.remote.layout
 
-    def check(self, config: EngineConfig) -> None:
-        """Refuse what a role cannot run with (ValueError, one line)."""
-        if self.mode is None:
-            return
-        if config.disaggregate or config.num_processes > 1:
-            raise ValueError("--disaggregation-mode runs one engine per process (not with --disaggregate or several "
-                             "processes)")
-        if config.kv_cache_dtype != "auto":
-            raise ValueError("--disaggregation-mode moves float pages: use --kv-cache-dtype auto")
-        if self.mode == "decode" and (config.async_scheduling or config.num_scheduler_steps > 1
-                                      or config.speculative_config):
-            raise ValueError("a decode server runs the synchronous loop (no async scheduling, multi-step or "
-                             "speculation yet)")
-
-    def engine(self, config: EngineConfig, host: str) -> AsyncEngine:
-        """This role's started-to-be engine (not started)."""
-        self.check(config)
-        if self.mode is None:
-            return AsyncEngine(config)
-        endpoint = TransferEndpoint(host, self.transfer_port)
-        if self.mode == "prefill":
-            return PrefillAsyncEngine(config, endpoint, self.kv_transfer_timeout)
-        return DecodeAsyncEngine(config, endpoint, self.kv_transfer_timeout, self.prefill_urls, self.chunked_transfer)
-
-    def app(self, engine: AsyncEngine, log_interval: float = 10.0, limits: ServerLimits | None = None) -> FastAPI:
-        """The HTTP app for this role around a started `engine` (from `self.engine`)."""
-        limits = limits or ServerLimits()
-        app = build_app(engine, log_interval=log_interval, limits=limits)
-        if isinstance(engine, PrefillAsyncEngine):
-            install_prefill_routes(app, engine, engine.exporter, limits.max_request_body_bytes)
-        elif isinstance(engine, DecodeAsyncEngine):
-            app.add_middleware(PrefillRouteMiddleware)
-            layout = engine.remote.layout
-
-            @app.get(INFO_PATH)
-            async def info() -> dict[str, Any]:
-                stats = engine.stats()
-                counters = {k: stats[k] for k in ("kv_imports", "kv_import_bytes", "kv_insert_seconds")}
-                return {"role": "decode", "layout": layout.to_json(), "prefill_urls": list(engine.prefill_urls),
-                        "counters": {**counters, **engine.remote.counters}}
-        return app
+        @app.get(INFO_PATH)
+        async def info() -> dict[str, Any]:
+            stats = engine.stats()
+            counters = {k: stats[k] for k in ("kv_imports", "kv_import_bytes", "kv_insert_seconds")}
+            return {"role": "decode", "layout": layout.to_json(), "prefill_urls": list(engine.prefill_urls),
+                    "counters": {**counters, **engine.remote.counters}}
+    return app
 
 
 class PrefillAsyncEngine(AsyncEngine):

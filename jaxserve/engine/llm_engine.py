@@ -22,7 +22,7 @@ from jaxserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutpu
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.stops import StopChecker
-from jaxserve.core.tokenizer import load_tokenizer
+from jaxserve.core.tokenizer import load_tokenizer, load_tokenizer_override
 from jaxserve.core.validation import encode_prompt, resolve_max_tokens
 from jaxserve.engine.loops import choose_loop
 from jaxserve.platform.policy import choose_policy
@@ -60,8 +60,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.clock = clock
+        log.info("loading model %s", config.model)
         self.spec = load_model_spec(config.model)
-        self.tokenizer = load_tokenizer(config.model, self.spec)
+        self.tokenizer = (load_tokenizer_override(config.tokenizer, self.spec) if config.tokenizer
+                          else load_tokenizer(config.model, self.spec))
+        if config.chat_template is not None:
+            if self.tokenizer is None:
+                raise ValueError(f"--chat-template: model {config.model} has no tokenizer to template with")
+            self.tokenizer.chat_template = config.chat_template
         built = build_model_and_cache(config, self.spec)
         self.max_model_len = built.max_model_len
         self.num_pages = built.num_pages

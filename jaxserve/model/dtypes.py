@@ -7,11 +7,10 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.config.engine import ARRAY_DTYPES, RUNTIME_DTYPES
 from modelspec.dtypes import lookup, short_name
 
-# What `--dtype` accepts for weights and activations; "auto" is the platform policy's (`policy.default_dtype`).
-ARRAY_DTYPES = ("float32", "bfloat16", "float16")
-RUNTIME_DTYPES = ("auto", *ARRAY_DTYPES)
+__all__ = ["ARRAY_DTYPES", "RUNTIME_DTYPES", "planner_dtype", "resolve_dtype"]
 
 
 def resolve_dtype(dtype: str | Any) -> jnp.dtype:

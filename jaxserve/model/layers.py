@@ -21,16 +21,31 @@ def normals(key: jax.Array, shapes_stds: tuple[tuple[tuple[int, ...], float], ..
     """Seeded normal arrays for (shape, std) pairs.
 
     Drawn on the host with numpy, seeded from the key's data: no XLA compile (threefry kernels take seconds
-    to compile per shape on CPU) and the same values on every platform. Under a trace (e.g. `nnx.eval_shape`)
-    the key is abstract and jax.random stands in.
+    to compile per shape on CPU) and the same values on every platform. Under a trace (`nnx.eval_shape`, or the
+    jitted draw of a large synthetic model, `model/synthetic.py`) the key is abstract and `hashed_uniform`, a
+    uniform of the same std, stands in.
     """
     if isinstance(key, jax.core.Tracer):
         keys = jax.random.split(key, len(shapes_stds))
-        return [(jax.random.normal(k, shape, jnp.float32) * std).astype(dtype)
-                for k, (shape, std) in zip(keys, shapes_stds, strict=True)]
+        return [hashed_uniform(k, shape, std, dtype) for k, (shape, std) in zip(keys, shapes_stds, strict=True)]
     rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
     return [jnp.asarray((rng.standard_normal(shape, dtype=np.float32) * np.float32(std)), dtype=dtype)
             for shape, std in shapes_stds]
+
+
+def hashed_uniform(key: jax.Array, shape: tuple[int, ...], std: float, dtype: jnp.dtype) -> jax.Array:
+    """A uniform array of standard deviation `std`: each element a hash (murmur3's finalizer) of its flat index
+    and the key's data. Integer ops and one exact scaling: one cheap elementwise kernel, and the same values on
+    every platform (unlike threefry's normals, whose inverse erf rounds per platform)."""
+    seed = jax.random.key_data(key).ravel().astype(jnp.uint32)
+    size = int(np.prod(shape))
+    h = lax.iota(jnp.uint32, size).reshape(shape) * jnp.uint32(0x9E3779B1) ^ seed[0]
+    h = h + seed[-1]
+    for shift, mult in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+        h = (h ^ (h >> shift)) * jnp.uint32(mult)
+    h = h ^ (h >> 16)
+    unit = (h >> 8).astype(jnp.float32) * np.float32(2.0**-24) - np.float32(0.5)  # [-1/2, 1/2), variance 1/12
+    return (unit * np.float32(std * 12**0.5)).astype(dtype)
 
 
 def linear(x: jax.Array, w: jax.Array | QuantizedWeight, route: MatmulRoute = XLA_MATMULS) -> jax.Array:

@@ -9,10 +9,7 @@ kernel keeps a row count only where its median is the lower. Timings are cached 
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,6 +21,7 @@ import jax.numpy as jnp
 from jaxserve.kernels.gpu.matvec import MAX_ROWS, matvec_supports
 from jaxserve.model.layers import gpu_matvec, linear
 from jaxserve.model.quantize import QuantizedWeight
+from jaxserve.platform.cache_file import read_json, write_json
 from jaxserve.platform.kernel_choice import model_matrices, signature, time_pair
 
 log = logging.getLogger(__name__)
@@ -64,13 +62,13 @@ def choose(model: Any, token_buckets: Sequence[int], device: Any, *, cache: Path
         return frozenset()
     kind = str(getattr(device, "device_kind", "gpu")).replace("/", "_").replace(" ", "_")
     path = cache or CACHE_DIR.expanduser() / f"{kind}.plan.json"
-    data = _read(path)
+    data = read_json(path)
     entry = data.setdefault(signature(weights, head, tied), {})
     missing = [r for r in rows if str(r) not in entry]
     t = time.perf_counter()
     if missing:
         entry.update(measure(weights, missing, dtype, timer=timer))
-        _write(path, data)
+        write_json(path, data)
     chosen = frozenset(r for r in rows if entry[str(r)][0] < entry[str(r)][1])
     how = f"measured in {time.perf_counter() - t:.1f} s" if missing else "cached"
     log.info("GPU few-row matmul at %s rows of %s (XLA's dot elsewhere; timings %s: %s)",
@@ -89,18 +87,3 @@ def fp8_tensor_cores(device: Any) -> bool:
     """Whether the device multiplies fp8 natively (compute capability 8.9 and up: Ada, Hopper, Blackwell)."""
     capability = _capability(device)
     return capability is not None and capability >= 8.9
-
-
-def _read(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _write(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.core import progress
 from jaxserve.kernels.cpu import library as cpu_kernels
 from jaxserve.kernels.cpu import matmul as cpu_matmul
 from jaxserve.kernels.cpu import matmul_int8 as cpu_matmul_int8
@@ -196,10 +197,21 @@ def choose(model: Any, token_buckets: Sequence[int], seq_buckets: Sequence[int],
     missing_int8 = [r for r in int8_rows if str(r) not in entry["int8_threads"]]
     measured = bool(missing or missing_head or missing_moe or missing_int8)
     if measured:
-        entry["matmul"].update(_measure_matmuls(weights, missing, repeats, dtype))
-        entry["head"].update(_measure_head(model, missing_head, repeats))
-        entry["moe"].update(_measure_moe(experts, missing_moe, repeats, dtype))
-        entry["int8_threads"].update(_measure_int8_threads(codes, missing_int8, repeats, dtype))
+        parts = [(name, rows) for name, rows in (("projections", missing), ("LM head", missing_head),
+                                                   ("MoE experts", missing_moe), ("int8 threads", missing_int8))
+                 if rows]
+        task = "timing the C++ kernels against XLA (once per model and machine)"
+        for i, (name, rows) in enumerate(parts):
+            logger.info("%s: %s at %d row counts (%d of %d)", task, name, len(rows), i + 1, len(parts),
+                        extra=progress.step(task, i, len(parts)))
+            if name == "projections":
+                entry["matmul"].update(_measure_matmuls(weights, rows, repeats, dtype))
+            elif name == "LM head":
+                entry["head"].update(_measure_head(model, rows, repeats))
+            elif name == "MoE experts":
+                entry["moe"].update(_measure_moe(experts, rows, repeats, dtype))
+            else:
+                entry["int8_threads"].update(_measure_int8_threads(codes, rows, repeats, dtype))
         _write(cache, data)
 
     def faster(timings: dict[str, list[float]], rows: list[int]) -> frozenset[int]:

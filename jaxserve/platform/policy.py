@@ -10,8 +10,10 @@
 - the overlapped loop's widest overlapped step (a CPU's host work shares the cores a wide step uses);
 - whether the engine overlaps the host with the device by default (`--async-scheduling` unset): on an accelerator,
   yes (its steps hold no host round trip, so the host can run ahead); on a CPU, no (host and XLA share the cores);
+- on a GPU, the tiles of the attention kernel's prefill items, timed once per device kind and head layout
+  (`gpu_attention_choice`);
 - the smallest token bucket: on a GPU a step of fewer than 8 rows pads to 8, since XLA lowered one-row projections
-  to reduce fusions at well below the bandwidth eight rows reach (shared/measurements/gpu-2026-12-04).
+  to reduce fusions at well below the bandwidth eight rows reach (docs/results.md, the GPU run of 2026-12-04).
 
 Nothing on the step path looks at the platform again: the loops, the runner, the sampler and the model read the
 policy's fields. `platform` is kept for logs, /version and the measurement tools.
@@ -33,7 +35,7 @@ from jaxserve.kernels.gpu.split_kv_decode import SplitKvAttention
 from jaxserve.kernels.kv_quant import kv_kind
 from jaxserve.model.attention.sharded import ShardedAttention
 from jaxserve.model.ops import XLA_MATMULS, MatmulRoute, ModelOps
-from jaxserve.platform import gpu_matmul_choice, kernel_choice
+from jaxserve.platform import gpu_attention_choice, gpu_matmul_choice, kernel_choice
 from jaxserve.platform.attention_choice import GPU_PLATFORMS, select_backend
 
 log = logging.getLogger("jaxserve")
@@ -140,9 +142,21 @@ def choose_policy(model: Any, kv_caches: Any, *, attention_backend: str = "auto"
     mesh = None if one_device else getattr(sharding, "mesh", None)
     if platform in GPU_PLATFORMS:
         device = next(iter(devices))
+        if isinstance(attention, SplitKvAttention) and one_device and token_buckets:
+            attention = _tuned_prefill(attention, model, k0, max(token_buckets), device)
         route = MatmulRoute(matvec_rows=gpu_matmul_choice.choose(model, token_buckets, device) if one_device
                             else frozenset(), fp8_activations=gpu_matmul_choice.fp8_tensor_cores(device))
     return policy_for(platform, attention, route, mesh)
+
+
+def _tuned_prefill(attention: SplitKvAttention, model: Any, k0: Any, num_tokens: int,
+                   device: Any) -> SplitKvAttention:
+    """`attention` with the prefill tiles measured fastest for the widest step (`gpu_attention_choice`)."""
+    heads = getattr(getattr(model.layers[0], "attn", None), "num_heads", None)
+    if heads is None:  # a model without GQA heads to time (the kernel runs only GQA pools)
+        return attention
+    return gpu_attention_choice.choose(attention, num_tokens=num_tokens, num_heads=heads, num_kv_heads=k0.shape[2],
+                                       head_dim=k0.shape[3], page_size=k0.shape[1], dtype=k0.dtype, device=device)
 
 
 def policy_for(platform: str, attention: Any, route: MatmulRoute | None = None, mesh: Any = None) -> PlatformPolicy:

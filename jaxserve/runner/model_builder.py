@@ -23,8 +23,9 @@ from jaxserve.kernels.kv_quant import QuantizedPool, empty_pool
 from jaxserve.model.checkpoint import load_checkpoint
 from jaxserve.model.compressed_tensors import folder_scheme
 from jaxserve.model.dtypes import resolve_dtype
-from jaxserve.model.llama import KVCaches, LlamaForCausalLM, kv_pool_layout
+from jaxserve.model.llama import KVCaches, kv_pool_layout
 from jaxserve.model.quantize_model import quantize_model
+from jaxserve.model.synthetic import synthetic_model
 from jaxserve.platform.devices import memory_limit
 from jaxserve.platform.policy import default_dtype, platform_of
 from jaxserve.runner.parallel import (
@@ -64,7 +65,7 @@ def load_model(config: EngineConfig, spec: ModelSpec, dtype: jnp.dtype,
     mesh is local; otherwise it is read onto one device and sharded afterwards (`shard_model`).
     """
     if spec.synthetic:
-        return LlamaForCausalLM(spec, dtype, rngs=nnx.Rngs(config.seed))
+        return synthetic_model(spec, dtype, config.seed)
 
     tp = mesh.devices.size if mesh is not None else 1
     local = mesh is not None and all(d.process_index == jax.process_index() for d in mesh.devices.flat)

@@ -15,6 +15,7 @@ verifier, KV transfer): `model(leaves)` (the model bound to parameter leaves, in
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from jaxserve.core import progress
 from jaxserve.core.batch import RaggedBatch, empty_batch, is_placeholder, placeholder_seq, trash_prefill
 from jaxserve.model.ops import ModelOps
 from jaxserve.platform.policy import PlatformPolicy
@@ -39,6 +41,8 @@ from jaxserve.runner.step_inputs import StepLayout
 
 WARM_REAL_TOKENS = 512  # warm-up runs buckets up to this size once with real work
 WARM_HISTORY = 544  # ...after this many tokens of (trash) history: past a 512-token decode block, 256-token KV blocks
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -239,7 +243,10 @@ class ModelRunner:
         """Compile every token bucket of the forward and every sequence bucket and variant of the sampler."""
         max_len = self.pages_per_seq * self.page_size
         hidden_rows = None
-        for t in self.token_buckets:
+        task = "compiling the forward step, one per token bucket"
+        n = len(self.token_buckets)
+        for i, t in enumerate(self.token_buckets):
+            logger.info("%s: %d tokens (%d of %d)", task, t, i + 1, n, extra=progress.step(task, i, n))
             # Small buckets run real work once: the first execution that runs a bucket's loops costs more (its
             # buffers, its threads), which would land on the first request (docs/tuning.md). Past WARM_REAL_TOKENS
             # that penalty is small beside the step itself and the work would slow start-up, so those buckets only
@@ -252,6 +259,7 @@ class ModelRunner:
             if self.policy.decode_ops is not None and t <= self.max_num_seqs:  # a step of decodes only fits
                 _, self.kv_caches = self.forward_fn(t, decode_only=True)(
                     self.param_leaves, self.kv_caches, self.device_inputs(empty_batch(), t), self.no_prev)
+        logger.info("%s: done", task, extra=progress.step(task, n, n))
         self.sampler.warmup(hidden_rows)
 
     def compile_count(self) -> int:

@@ -12,6 +12,7 @@ no predicate copied to the host.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.core import progress
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.runner.compiles import compiled_variants
 from jaxserve.runner.logits_processing import Processing, process_logits
@@ -26,6 +28,8 @@ from jaxserve.runner.sampling import sample_tokens
 
 NUM_SAMPLING_ROWS = 6  # temperature, top_k, top_p, min_p, seed, step
 NUM_PROCESSING_ARRAYS = 6  # Processing.arrays()
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -136,12 +140,16 @@ class Sampler:
     def warmup(self, hidden_rows: jax.Array) -> None:
         """Compile every tier for every sampling bucket (on rows of an empty forward)."""
         r = self.runner
-        for size in r.seq_buckets:
+        task = "compiling the sampler, one per batch-size bucket"
+        n = len(r.seq_buckets)
+        for i, size in enumerate(r.seq_buckets):
+            logger.info("%s: %d rows (%d of %d)", task, size, i + 1, n, extra=progress.step(task, i, n))
             rows = SamplingArrays.build([], size).rows()
             neutral = Processing.neutral(size, self.vocab_size, self.history_len).arrays()
             for tier, (_, _, processed) in TIERS.items():
                 args = r.put((*rows, *(neutral if processed else ())))
                 jax.block_until_ready(self._fn(tier)(r.param_leaves, hidden_rows, *args))
+        logger.info("%s: done", task, extra=progress.step(task, n, n))
 
     def compile_count(self) -> int:
         """Compiled tiers so far, over every sampling bucket."""

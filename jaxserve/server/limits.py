@@ -37,10 +37,13 @@ class ServerLimits:
     request_read_timeout: float = 30.0
     structured_outputs_cache_bytes: int = 64 * 2**20
     structured_outputs_compile_timeout: float = 10.0
+    max_logprobs: int = 20  # vLLM's --max-logprobs: alternatives a request may ask for per token
 
     def __post_init__(self) -> None:
         if any(not k for k in self.api_keys):
             raise ValueError("an API key must not be empty")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must not be negative, got {self.max_logprobs}")
         for name in ("max_request_body_bytes", "max_prompts_per_request", "structured_outputs_cache_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -29,6 +29,18 @@ _TOKEN_LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.
 _REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                             120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 _ITERATION_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+_N_BUCKETS = [1, 2, 5, 10, 20]  # vLLM's request_params_n buckets
+
+
+def token_buckets(max_model_len: int) -> list[float]:
+    """vLLM's 1-2-5 buckets up to the context (`build_1_2_5_buckets`): 1, 2, 5, 10, 20, 50, ..."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return out
+            out.append(float(m * scale))
+        scale *= 10
 
 
 class _EngineStateCollector(Collector):
@@ -76,6 +88,19 @@ class _EngineStateCollector(Collector):
             c = CounterMetricFamily(P + name, doc, labels=["model_name"])
             c.add_metric(label, float(s.get(key, 0)))
             yield c
+        yield self.cache_config_info()
+
+    def cache_config_info(self) -> GaugeMetricFamily:
+        """vLLM's `cache_config_info`: the KV cache's configuration as labels of a gauge of 1."""
+        c = self.engine.config
+        info = {"block_size": str(c.page_size), "cache_dtype": str(c.kv_cache_dtype),
+                "enable_prefix_caching": str(c.enable_prefix_caching),
+                "gpu_memory_utilization": str(c.gpu_memory_utilization),
+                "kv_cache_memory_bytes": "" if c.kv_cache_memory is None else str(c.kv_cache_memory)}
+        g = GaugeMetricFamily(P + "cache_config_info", "Information of the LLMEngine CacheConfig",
+                              labels=list(info))
+        g.add_metric(list(info.values()), 1.0)
+        return g
 
 
 class ServerMetrics:
@@ -105,6 +130,15 @@ class ServerMetrics:
                             _REQUEST_LATENCY_BUCKETS)
         self.decode = hist("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
                            _REQUEST_LATENCY_BUCKETS)
+        lengths = token_buckets(engine.max_model_len)
+        self.prompt_tokens = hist("request_prompt_tokens", "Number of prefill tokens processed.", lengths)
+        self.generation_tokens = hist("request_generation_tokens", "Number of generation tokens processed.",
+                                      lengths)
+        self.params_n = hist("request_params_n", "Histogram of the n request parameter.", _N_BUCKETS)
+        self.params_max_tokens = hist("request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+                                      lengths)
+        self.inference = hist("request_inference_time_seconds",
+                              "Histogram of time spent in RUNNING phase for request.", _REQUEST_LATENCY_BUCKETS)
         self.iteration_tokens = hist("iteration_tokens_total", "Histogram of number of tokens per engine_step.",
                                      _ITERATION_BUCKETS)
         self._success = Counter(P + "request_success", "Count of successfully processed requests.",
@@ -123,10 +157,19 @@ class ServerMetrics:
                             (self.decode, m.decode_time)):
             if value is not None:
                 hist.observe(max(value, 0.0))
+        if m.prefill_time is not None and m.decode_time is not None:
+            self.inference.observe(max(m.prefill_time + m.decode_time, 0.0))
+        self.prompt_tokens.observe(len(out.prompt_token_ids))
+        self.generation_tokens.observe(sum(len(o.token_ids) for o in out.outputs))
         for gap in m.itls:
             self.itl.observe(max(gap, 0.0))
         reason = out.outputs[0].finish_reason if out.outputs else None
         self._success.labels(self.model_name, reason or "abort").inc()
+
+    def on_request_params(self, n: int, max_tokens: int) -> None:
+        """A request's `n` and its (resolved) `max_tokens`, as the HTTP layer sees them."""
+        self.params_n.observe(n)
+        self.params_max_tokens.observe(max_tokens)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

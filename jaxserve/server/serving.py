@@ -37,6 +37,7 @@ from jaxserve.structured.compile_worker import WorkerUnavailable
 from jaxserve.structured.compiler import GrammarCompiler
 from jaxserve.structured.grammar import GRAMMAR_FAILED
 from jaxserve.structured.limits import GrammarError, GrammarLimitError
+from jaxserve.structured.tools import template_messages
 
 __all__ = ["APIError", "Generator", "new_request_id"]
 logger = logging.getLogger("jaxserve.server")
@@ -176,12 +177,26 @@ class Generator(ChoiceFormatter):
                                                       **({"tools": req.tools} if req.tools else {}))
         except TokenizerError as e:  # e.g. the template refuses this order of roles
             raise APIError(400, str(e), "messages") from None
-        ids = self._token_ids(text, "messages", False)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        subs = self._subs(req_id, [ids], req, None, logprobs, "messages")
+        try:
+            ids = self._token_ids(text, "messages", False)
+            subs = self._subs(req_id, [ids], req, None, logprobs, "messages")
+        except APIError as e:
+            if req.tools and e.code == "context_length_exceeded":
+                e.message += f" The {len(req.tools)} tools took {self._tools_tokens(req, messages)} of its tokens."
+            raise
         for s in subs:
             s.tools, s.tool_choice = req.tools, req.effective_tool_choice
         return subs
+
+    def _tools_tokens(self, req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> int:
+        """Tokens the request's tools add to its prompt (with tools rendered, less without)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        bare = template_messages([m.template_dict() for m in req.messages], None, template)
+        with_tools = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=req.tools)
+        without = self.tokenizer.apply_chat_template(bare, add_generation_prompt=True)
+        return len(self.tokenizer.encode(with_tools, add_special_tokens=False)) - len(
+            self.tokenizer.encode(without, add_special_tokens=False))
 
     # ---- running ----
 

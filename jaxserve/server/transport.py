@@ -29,7 +29,7 @@ def tune_interpreter() -> None:
     """Process-wide, once the engine and app are built: a thread running Python (the engine's host code, the
     decode pool) hands the GIL to a waiting event loop after 1 ms instead of 5; and every object that exists
     now (JAX's, the model's: millions) is frozen out of the garbage collector, whose full passes over them
-    otherwise stop every thread for 100-150 ms on a CPU host (tests/test_server_hostile_clients.py's flood)."""
+    otherwise stop every thread for a long pause under load (docs/server.md; tests/test_server_hostile_clients.py)."""
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     gc.freeze()
 

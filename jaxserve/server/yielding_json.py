@@ -1,6 +1,6 @@
-"""JSON in slices, for big bodies on a worker thread: the C codec holds the GIL for a whole call (about 15 ms
-per MB of token ids, during which the event loop cannot run), so big documents go through in pieces of a few
-milliseconds each and the loop gets the GIL back between them.
+"""JSON in slices, for big bodies on a worker thread: the C codec holds the GIL for a whole call (tens of
+milliseconds for a MB of token ids: docs/results.md), during which the event loop cannot run, so big documents go
+through in pieces of a few milliseconds each and the loop gets the GIL back between them.
 
 `loads` is json.loads with the same results and errors: the standard library's pure-Python scanner walks the
 structure, strings are still scanned in C (fast), and a run of numbers in an array is parsed by C json.loads a

@@ -24,7 +24,7 @@ def ngram_propose(tokens: list[int] | np.ndarray, k: int, min_n: int, max_n: int
         return []
     # Earlier occurrences of the last token (each with a token after it), then how far back each keeps matching
     # the suffix: one pass over the window and max_n gathers at the candidates (a sliding-window comparison per n
-    # took 70-100 us a step at a few hundred tokens, 5-7% of a small model's CPU step; docs/speculative.md).
+    # cost a visible share of a small model's CPU step; docs/speculative.md).
     ends = np.flatnonzero(seq[: size - 1] == seq[-1])
     if not ends.size:
         return []

@@ -25,7 +25,7 @@ from typing import Any
 COMPILE_STACK_BYTES = 64 * 2**20  # the stack every llguidance compile runs on, here and in the server
 COMPILE_NICE = 10  # compiles yield the CPU to the event loop and the engine (a child, or a compile thread)
 WORKER_ADDRESS_SPACE = 2 * 2**30  # the child's virtual memory: a compile that needs more aborts the child
-START_TIMEOUT_S = 120.0  # the child's start: Python, llguidance, and the tokenizer (~1 s for a 150k vocabulary)
+START_TIMEOUT_S = 120.0  # the child's start: Python, llguidance, and a walk over the tokenizer's vocabulary
 _HEADER = struct.Struct(">I")
 
 

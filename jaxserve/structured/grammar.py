@@ -81,8 +81,8 @@ def ll_tokenizer_from(spec: dict[str, Any]) -> Any:
 
 @lru_cache(maxsize=8)
 def ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
-    """llguidance's view of one of our tokenizers, over the model's whole vocabulary (built once: ~1 s for a
-    large BPE vocabulary)."""
+    """llguidance's view of one of our tokenizers, over the model's whole vocabulary (built once per tokenizer: it
+    walks the whole vocabulary)."""
     return ll_tokenizer_from(tokenizer_spec(tokenizer, vocab_size))
 
 

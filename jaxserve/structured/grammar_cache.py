@@ -1,5 +1,5 @@
 """Compiled grammars kept for reuse, bounded by the bytes they hold rather than by their number: one small
-regex can hold 20 MB of lexer state where a schema holds 1 MB, so a count bound bounds nothing.
+regex can hold many times the lexer state of a large schema (docs/server.md), so a count bound bounds nothing.
 
 An entry is charged what its compilation allocated (glibc's `mallinfo2`, measured around the compile and the
 first mask, where llguidance builds its lexer); requests hold copies that share that state. Evicting frees the

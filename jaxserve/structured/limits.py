@@ -1,8 +1,8 @@
 """Bounds on a structured output constraint, checked in Python before llguidance sees it.
 
 llguidance's native code recurses along a schema's `$ref` chain and a grammar's rule chain: deep enough input
-overflows its thread's stack, a segfault that takes the whole process (a chain of 2,000 overflows a 4 MB stack,
-4,000 an 8 MB one). Counted repetitions multiply (`(b{1000}){1000}` built 170 MB of lexer state). So every
+overflows its thread's stack, a segfault that takes the whole process, and counted repetitions multiply into
+hundreds of MB of lexer state (docs/server.md has the measured bounds). So every
 constraint is measured here first, without recursion, and refused with a `GrammarLimitError` that names the
 limit: its size, its nesting depth (counting `$ref` hops and rule references), its rule count and the largest
 product of nested counted repetitions. llguidance's own run-time bounds (`parser_limits`) cap what is left:

@@ -209,12 +209,41 @@ def streamable_prefix(text: str, tools: list[dict[str, Any]] | None, tool_choice
 
 
 def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
-    """The Hermes format's description of the tools, for a template that does not render them itself."""
-    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return ("You may call one or more functions to assist with the user query. The functions:\n<tools>\n"
-            f"{listing}\n</tools>\nFor each call, return a JSON object with the function name and arguments "
-            'within <tool_call></tool_call> tags: <tool_call>{"name": <name>, "arguments": <arguments>}'
-            "</tool_call>")
+    """The tools as compact signatures with the Hermes call format, for a template that does not render them
+    itself: `get_weather(city: string, days?: integer): The weather in a city`, a line each (whole JSON schemas
+    would fill a small model's context: docs/startup.md has the count)."""
+    lines = "\n".join(_signature(t.get("function") or {}) for t in tools)
+    return ('Tools; to call one, write <tool_call>{"name": ..., "arguments": {...}}</tool_call>\n' + lines)
+
+
+def _signature(fn: dict[str, Any]) -> str:
+    desc = fn.get("description")
+    return f"{fn.get('name')}({_fields(fn.get('parameters') or {})})" + (f": {desc}" if desc else "")
+
+
+def _fields(schema: dict[str, Any]) -> str:
+    """An object schema's properties as `name: type, other?: type` (? for the optional ones)."""
+    required = set(schema.get("required") or ())
+    return ", ".join(f"{name}{'' if name in required else '?'}: {_type_text(sub)}"
+                     for name, sub in (schema.get("properties") or {}).items())
+
+
+def _type_text(schema: Any) -> str:
+    """A JSON schema in a few characters: string, integer[], "a"|"b", {x: number}; anything else as compact JSON."""
+    if not isinstance(schema, dict):
+        return json.dumps(schema, separators=(",", ":"))
+    if "enum" in schema:
+        return "|".join(json.dumps(v, ensure_ascii=False) for v in schema["enum"])
+    kind = schema.get("type")
+    if kind == "array":
+        return f"{_type_text(schema.get('items', {}))}[]"
+    if kind == "object" and schema.get("properties"):
+        return "{" + _fields(schema) + "}"
+    if isinstance(kind, str):
+        return kind
+    if isinstance(kind, list):
+        return "|".join(map(str, kind))
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 
 def template_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,

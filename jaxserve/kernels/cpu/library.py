@@ -1,7 +1,7 @@
 """jaxserve's C++ CPU kernels: built once per machine into one library, loaded and registered with XLA.
 
-`attention.cc` (paged attention, `cpu_attention.py`) and `matmul.cc` (matmuls of a few rows,
-`cpu_matmul.py`) replace XLA's CPU code where it runs far below the machine's floors. They are compiled with the
+`attention.cc` (paged attention, `attention.py`) and `matmul.cc` (matmuls of a few rows,
+`matmul.py`) replace XLA's CPU code where it runs far below the machine's floors. They are compiled with the
 machine's C++ compiler on first use (a few seconds) into `~/.cache/jaxserve/kernels`, keyed by the sources, the
 flags, the compiler, jaxlib and the CPU, because they are built for this CPU's instruction set. Where no compiler
 works, `available()` warns once and the model keeps XLA's code.
@@ -22,6 +22,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import jax
@@ -86,16 +88,36 @@ def build(cache_dir: Path = CACHE_DIR, variant: str = "native") -> Path:
     if lib.exists():
         return lib
     cache_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
-    os.close(fd)
-    try:
-        subprocess.run([cxx, *flags, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp],
-                       capture_output=True, text=True, check=True)
-        os.replace(tmp, lib)  # atomic: concurrent builders (test workers) each publish a whole library
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    _compile_and_link(cxx, flags, lib)
     return lib
+
+
+def _compile_and_link(cxx: str, flags: tuple[str, ...], lib: Path) -> None:
+    """Each source into an object, side by side (one compiler per core), then one link into `lib`, logging each
+    step as n of m (progress records: `jaxserve.core.progress`)."""
+    task = "building jaxserve's C++ CPU kernels (once per machine)"
+    total = len(SOURCES) + 1
+    logger.info("%s with %s into %s (%d sources)", task, cxx, lib.parent, len(SOURCES),
+                extra={"progress": (task, 0, total)})  # core.progress.step, which this layer cannot import
+    t0 = time.monotonic()
+    compile_flags = [f for f in flags if f != "-shared"]
+    with tempfile.TemporaryDirectory(dir=lib.parent) as work:
+        objects = [Path(work) / f"{src.stem}.o" for src in SOURCES]
+
+        def compile_one(src: Path, obj: Path) -> Path:
+            subprocess.run([cxx, *compile_flags, f"-I{jax.ffi.include_dir()}", "-c", str(src), "-o", str(obj)],
+                           capture_output=True, text=True, check=True)
+            return src
+
+        with ThreadPoolExecutor(max_workers=max(1, min(len(SOURCES), os.cpu_count() or 1))) as pool:
+            futures = [pool.submit(compile_one, src, obj) for src, obj in zip(SOURCES, objects, strict=True)]
+            for done, future in enumerate(as_completed(futures), 1):
+                logger.info("%s: %s compiled (%d of %d)", task, future.result().name, done, total,
+                            extra={"progress": (task, done, total)})
+        tmp = Path(work) / lib.name
+        subprocess.run([cxx, *flags, *map(str, objects), "-o", str(tmp)], capture_output=True, text=True, check=True)
+        os.replace(tmp, lib)  # atomic: concurrent builders (test workers) each publish a whole library
+    logger.info("%s: linked, built in %.1f s", task, time.monotonic() - t0, extra={"progress": (task, total, total)})
 
 
 def _first_error(stderr: str) -> str:

@@ -2,9 +2,9 @@
 
 A decode step's projections are matrix-vector products: every weight is read once and used T times, so the
 step is bound by how fast W streams from memory. On an H200 XLA lowered two of a one-row step's four projections
-to `input_reduce_fusion` + `loop_multiply_fusion` pairs (dot strength reduction) and the layer's matmuls took ~62 us
-where its 121.6 MB of weights take 28 us at 4.3 TB/s; int8 and fp8 weights made the step slower than bf16
-(shared/measurements/gpu-2026-12-04). This kernel reads W once, in its stored dtype:
+to `input_reduce_fusion` + `loop_multiply_fusion` pairs (dot strength reduction), well below the weights' read
+time, and int8 and fp8 weights made the step slower than bf16 (docs/results.md, the GPU run of 2026-12-04). This
+kernel reads W once, in its stored dtype:
 
 - grid (N tiles, K splits): a program owns `block_n` output columns and one share of K, loops over it in
   `block_k` rows with the weight tile [block_k, block_n] loaded (row-major: contiguous `block_n` codes a row)

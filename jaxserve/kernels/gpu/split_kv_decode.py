@@ -1,7 +1,7 @@
 """Split-KV (flash-decoding) attention for the decode rows of a ragged step, in Pallas (the Triton flavour).
 
 `ragged_paged_attention` gives one decode one program per KV head: 8 programs on an H200's 132 SMs for a 1B
-model, so one 1k-context decode reads its 2 MB of KV a layer at ~60 GB/s (shared/measurements/gpu-2026-12-04).
+model, so one long decode reads its KV far below the memory's bandwidth (docs/results.md, the GPU run of 2026-12-04).
 Here a decode's KV blocks are also split across programs: the grid is (KV head, decode, split); each program runs
 an online softmax over its share of the decode's blocks and writes a partial (running max m, sum l, unnormalised
 accumulator acc, all float32, base-2 logits), and a second pass in jnp (one small XLA fusion) merges the splits:
@@ -180,6 +180,7 @@ def split_kv_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
 def split_kv_step_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata,
                             scale: float, *, splits: int, decode_only: bool = False, kv_block: int = 64,
                             block_q: int = 16, prefill_kv_block: int = 64, num_warps: int = 4, num_stages: int = 2,
+                            prefill_num_warps: int | None = None, prefill_num_stages: int | None = None,
                             interpret: bool = False) -> jax.Array:
     """A whole ragged step (the `backend.py` contract): its decodes through `split_kv_decode_attention`, every
     other sequence through one `ragged_paged_attention` call in which the decodes have no keys.
@@ -199,7 +200,8 @@ def split_kv_step_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
         return jnp.pad(dec, ((0, t - n), (0, 0), (0, 0)))
     rest_meta = dataclasses.replace(meta, kv_lens=jnp.where(jnp.arange(s) < meta.num_decodes, 0, meta.kv_lens))
     rest = ragged_paged_attention(q, k_cache, v_cache, rest_meta, scale, block_q=block_q, kv_block=prefill_kv_block,
-                                  num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+                                  num_warps=prefill_num_warps or num_warps,
+                                  num_stages=prefill_num_stages or num_stages, interpret=interpret)
     is_decode = (jnp.arange(n) < meta.num_decodes)[:, None, None]
     return rest.at[:n].set(jnp.where(is_decode, dec, rest[:n]))
 
@@ -217,6 +219,8 @@ class SplitKvAttention:
     prefill_kv_block: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    prefill_num_warps: int | None = None  # the prefill items' Triton settings (None: the decode kernel's)
+    prefill_num_stages: int | None = None
     decode_only: bool = False
     interpret: bool = False
     name: str = "pallas-split"
@@ -238,4 +242,5 @@ class SplitKvAttention:
         return split_kv_step_attention(q, k_cache, v_cache, meta, scale, splits=splits, decode_only=self.decode_only,
                                        kv_block=self.kv_block, block_q=self.block_q,
                                        prefill_kv_block=self.prefill_kv_block, num_warps=self.num_warps,
-                                       num_stages=self.num_stages, interpret=self.interpret)
+                                       num_stages=self.num_stages, prefill_num_warps=self.prefill_num_warps,
+                                       prefill_num_stages=self.prefill_num_stages, interpret=self.interpret)

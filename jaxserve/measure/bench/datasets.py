@@ -135,3 +135,24 @@ def long_prompt_requests(cfg: DatasetConfig, rng: np.random.Generator, vocab: in
     out.append(SampleRequest(_tokens(rng, cfg.long_prompt_len, vocab, avoid), 4, wait_for=0,
                              wait_tokens=cfg.warm_tokens, role="long"))
     return out
+
+
+DEFAULT_INPUT_LEN = 512  # `bench serve`'s prompt length where the context allows it
+DEFAULT_OUTPUT_LEN = 64
+
+
+def fit_lengths(max_model_len: int, name: str = "random", turns: int = 1, range_ratio: float = 0.0,
+                input_len: int | None = None, output_len: int | None = None) -> tuple[int, int]:
+    """Prompt and output lengths for a server of context `max_model_len`: the ones given, else the defaults
+    (512 in, 64 out) shrunk so the longest request of the dataset fits (a multi-turn conversation's last turn holds
+    every earlier message and answer). Raises ValueError when nothing fits."""
+    scale = 1 + range_ratio
+    messages = turns if name == "multi-turn" else 1
+    if output_len is None:
+        output_len = max(1, min(DEFAULT_OUTPUT_LEN, max_model_len // (8 * messages)))
+    if input_len is None:
+        room = max_model_len // messages - output_len * scale
+        input_len = min(DEFAULT_INPUT_LEN, int(room / scale))
+    if input_len < 1:
+        raise ValueError(f"--output-len {output_len} leaves no room for a prompt in max_model_len {max_model_len}")
+    return input_len, output_len

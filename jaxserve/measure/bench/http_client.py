@@ -14,7 +14,7 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import httpx
 
@@ -31,6 +31,31 @@ def _sampling_fields(load: LoadConfig) -> dict:
     out.update({name: getattr(load, name) for name in ("top_p", "top_k", "min_p")
                 if getattr(load, name) != defaults[name]})
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+    """What a server's /v1/models says of its (first) model."""
+
+    id: str
+    root: str | None
+    max_model_len: int | None
+
+
+def served_model(base_url: str, timeout_s: float = 30.0, transport=None) -> ServedModel:
+    """The first model of `base_url`'s /v1/models; ValueError, saying so, when the server cannot tell."""
+    base = base_url.rstrip("/")
+    try:
+        with httpx.Client(timeout=timeout_s, transport=transport) as client:
+            resp = client.get(base + "/v1/models")
+            resp.raise_for_status()
+            card = resp.json()["data"][0]
+            length = card.get("max_model_len")
+            return ServedModel(str(card["id"]), card.get("root"), int(length) if length is not None else None)
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+        raise ValueError(f"cannot learn the served model from {base}/v1/models ({e or type(e).__name__}); "
+                         f"is the server up? (--served-model-name with --input-len and --output-len skips this)"
+                         ) from None
 
 
 async def _one(client, url: str, model: str, req: SampleRequest, arrival: float, start: float,
@@ -74,7 +99,7 @@ async def _one(client, url: str, model: str, req: SampleRequest, arrival: float,
 
 
 async def _run(base_url: str, model: str | None, requests: Sequence[SampleRequest], load: LoadConfig,
-               timeout_s: float, transport=None) -> RunResult:
+               timeout_s: float, transport=None, on_done: Callable[[int], None] | None = None) -> RunResult:
     base = base_url.rstrip("/")
     url = base + "/v1/completions"
     offsets = arrival_offsets(len(requests), load.request_rate, load.burstiness, load.seed)
@@ -113,6 +138,8 @@ async def _run(base_url: str, model: str | None, requests: Sequence[SampleReques
                 if sem is not None:
                     sem.release()
                 done_events[i].set()
+                if on_done is not None:
+                    on_done(sum(e.is_set() for e in done_events))
 
         await asyncio.gather(*(send(i) for i in range(len(requests))))
         duration = time.perf_counter() - start
@@ -121,11 +148,12 @@ async def _run(base_url: str, model: str | None, requests: Sequence[SampleReques
 
 
 def run_http(base_url: str, requests: Sequence[SampleRequest], load: LoadConfig, *, model: str | None = None,
-             timeout_s: float = 6 * 3600, transport=None) -> RunResult:
+             timeout_s: float = 6 * 3600, transport=None, on_done: Callable[[int], None] | None = None) -> RunResult:
     """Send `requests` to `base_url` as `load` says; returns per-request records (client-side timing).
 
-    `transport` (an httpx async transport) replaces the network, for tests.
+    `transport` (an httpx async transport) replaces the network, for tests; `on_done(n)` is called as each request
+    ends, with how many have.
     """
     if math.isinf(load.request_rate) and load.max_concurrency is None and len(requests) > 1024:
         load = LoadConfig(load.request_rate, load.burstiness, 1024, load.seed)
-    return asyncio.run(_run(base_url, model, requests, load, timeout_s, transport))
+    return asyncio.run(_run(base_url, model, requests, load, timeout_s, transport, on_done))

@@ -1,8 +1,9 @@
 """Per-request records and vLLM's "Serving Benchmark Result": metrics, the printed summary, the JSON keys.
 
-Definitions (shared/GUIDE.md): TTFT = arrival to first token; TPOT per request = (E2E - TTFT) / (out - 1),
-over requests with at least two tokens; ITL = every gap between consecutive tokens; E2E = arrival to last
-token; goodput = completed requests per second that meet every given SLO (ttft, tpot, e2el, in ms).
+Definitions (as ../shared/GUIDE.md, outside the repository, gives them): TTFT = arrival to first token; TPOT per
+request = (E2E - TTFT) / (out - 1), over requests with at least two tokens; ITL = every gap between consecutive
+tokens; E2E = arrival to last token; goodput = completed requests per second that meet every given SLO (ttft,
+tpot, e2el, in ms).
 """
 
 from __future__ import annotations

@@ -37,6 +37,22 @@ def measure_bandwidth(nbytes: int, repeats: int = 5) -> float:
     return nbytes / best_time(lambda: f(x), repeats)
 
 
+def measure_weight_read(nbytes: int, repeats: int = 5) -> float | None:
+    """Bytes/s of one row through jaxserve's CPU matmul kernel over one float32 matrix of `nbytes` (4096 columns):
+    a decode's weight read in its best case, one call of long sequential rows on every intra-op thread. None
+    where the kernels are not built. On a 2-core EPYC the streaming sum (`measure_bandwidth`) read well below it
+    (docs/tuning.md), so a decode floor takes the higher of the two."""
+    from jaxserve.kernels.cpu import library as cpu_kernels
+    from jaxserve.kernels.cpu import matmul as cpu_matmul
+
+    if not cpu_kernels.available():
+        return None
+    w = jnp.full((nbytes // 4 // 4096, 4096), 1e-3, jnp.float32)
+    x = jnp.ones((1, w.shape[0]), jnp.float32)
+    f = jax.jit(cpu_matmul.cpu_matmul)
+    return w.size * 4 / best_time(lambda: f(x, w), repeats)
+
+
 def measure_matmul(n: int, dtype: Any, repeats: int = 3) -> float:
     """Dense square-GEMM throughput (FLOP/s) in `dtype`."""
     a = jnp.ones((n, n), dtype)

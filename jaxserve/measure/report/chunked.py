@@ -86,7 +86,7 @@ def run_chunked(ctx) -> list[dict[str, Any]]:
     choice = choose_chunk_size(ctx.spec, ctx.hw, target, prompt_len=length, page_size=page,
                                min_chunk=smallest_chunk(engine.runner.ops.attention, page), **kw)
     # The runtime cuts chunks on page boundaries: give it a budget of whole pages plus the decodes, so every
-    # step prefills exactly `per_step` tokens, as predicted (planner/NEEDS_FROM_BENCH.md, item 1).
+    # step prefills exactly `per_step` tokens, as predicted.
     # It also pads a step to its token bucket, so the budget is the largest bucket within the planner's chunk.
     # A chunk of less than a page (a tight target on a CPU) is taken as the planner gives it.
     if choice.chunk_size - d < page:

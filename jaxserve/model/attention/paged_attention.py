@@ -6,7 +6,7 @@ lengths, never by the page-table width (which the runner pads to max_model_len) 
 other sequences. Query heads are grouped over their KV head (GQA/MQA) so KV is never repeated.
 
 Its loops run to device-side lengths: right on a CPU, but on a GPU each iteration waits for the host to read its
-condition, which is why GPUs get the Pallas kernel (`pallas.py`). Block sizes and the decode mode are arguments:
+condition, which is why GPUs get the Pallas kernels (`kernels/gpu/`). Block sizes and the decode mode are arguments:
 the backend passes a CPU's or an accelerator's tuning (`reference.py`); nothing here looks at the platform.
 """
 
