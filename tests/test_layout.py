@@ -102,6 +102,8 @@ LAYERS = [
     ("jaxserve.spec_decode",),
     ("jaxserve.engine",),
     ("jaxserve.server", "jaxserve.measure"),
+    ("jaxserve.disagg",),
+    ("jaxserve.router",),
     ("jaxserve.cli",),
     ("jaxserve",),
 ]

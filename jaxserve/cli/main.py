@@ -17,6 +17,7 @@ import click
 COMMANDS = {
     "plan": "jaxserve.cli.plan:plan",
     "serve": "jaxserve.cli.serve:serve",
+    "router": "jaxserve.cli.router:router",
     "generate": "jaxserve.cli.generate:generate",
     "bench": "jaxserve.cli.bench:bench",
     "calibrate": "jaxserve.cli.calibrate:calibrate_command",
@@ -30,6 +31,7 @@ COMMANDS = {
 SUMMARIES = {
     "plan": "Plan a deployment and predict its TTFT, TPOT and throughput (no JAX).",
     "serve": "Serve a model over an OpenAI-compatible HTTP API (default model: bard).",
+    "router": "One OpenAI endpoint in front of several servers (replicas, or prefill and decode).",
     "generate": "Generate one completion and stream its text to the terminal.",
     "bench": "Benchmarks: static-batch latency grids and online serving load.",
     "calibrate": "Measure this device and the engine into a hardware profile.",

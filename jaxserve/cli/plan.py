@@ -184,6 +184,10 @@ def report(result: PlanResult, top: int = 5, console: Console | None = None) -> 
                   f"KV transfer {d['kv_transfer_ms']:.2f} ms/request, goodput/device {d['goodput_per_device']:.3f}"
                   f" vs colocated {d['colocated_goodput_per_device']:.3f}")
         con.print(f"  compares {d['compared']}")
+        con.print(f"[bold]as servers[/bold]: {d['prefill']['instances']} x `jaxserve serve --disaggregation-mode "
+                  f"prefill --tensor-parallel-size {d['prefill']['tp']}`, {d['decode']['instances']} x `jaxserve serve "
+                  f"--disaggregation-mode decode --tensor-parallel-size {d['decode']['tp']}`, behind `jaxserve router "
+                  f"--pd-disaggregation` (docs/disaggregation.md)")
     if j["simulated"]:
         s = j["simulated"]
         con.print(f"[bold]simulated[/bold]: TTFT {_ms(s['ttft_ms'])}; TPOT {_ms(s['tpot_ms'])}")

@@ -19,6 +19,7 @@ from typing import Any
 import click
 
 import jaxserve
+from jaxserve.cli.disagg_flags import check_role, disaggregation_from_options, disaggregation_options
 from jaxserve.cli.engine_flags import config_from_options, serving_engine_options
 from jaxserve.cli.log_setup import setup_logging
 from jaxserve.cli.serve_flags import (
@@ -62,6 +63,7 @@ def _model_from_tag(ctx: click.Context, tag: str | None, options: dict[str, Any]
 @serving_engine_options
 @limit_options
 @vllm_server_options
+@disaggregation_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on.")
 @click.option("--served-model-name", default=None, help="Model name clients use (default: --model).")
@@ -80,7 +82,9 @@ def serve(ctx: click.Context, model_tag: str | None, host: str, port: int, serve
     ssl = ssl_files(options)
     root_path = options.pop("root_path")
     stats_interval = None if options.pop("disable_log_stats") else log_interval
+    role = disaggregation_from_options(options)
     config = config_from_options(options, served_model_name=served_model_name, **engine_overrides(options))
+    check_role(role, config)
     t0 = time.monotonic()
     # Only process 0 serves; the followers of a multi-host mesh never return from building the engine.
     sock = _listen(host, port) if config.process_id == 0 else None
@@ -91,16 +95,15 @@ def serve(ctx: click.Context, model_tag: str | None, host: str, port: int, serve
                 config.model, scheme, host, port)
     import uvicorn  # after the first log line: these load JAX and the web stack
 
-    from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.server.app import build_app
+    from jaxserve.disagg.roles import role_app, role_engine
     from jaxserve.server.transport import tune_interpreter, uvicorn_config
 
     try:
-        engine = AsyncEngine(config)
+        engine = role_engine(role, config, host)
     except ValueError as e:  # e.g. an unknown model name or a pool too small for one sequence
         raise click.UsageError(str(e)) from None
     engine.start()
-    app = build_app(engine, log_interval=stats_interval, limits=limits, cors=cors)
+    app = role_app(engine, log_interval=stats_interval, limits=limits, cors=cors)
     tune_interpreter()
 
     class _Server(uvicorn.Server):

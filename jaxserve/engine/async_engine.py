@@ -18,6 +18,7 @@ from jaxserve.config.engine import EngineConfig
 from jaxserve.core.outputs import RequestOutput, StepStats
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.factory import create_engine
+from jaxserve.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("jaxserve")
 
@@ -46,8 +47,8 @@ class _Stream:
 class AsyncEngine:
     """Thread-backed engine with an async, streaming request interface."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        self.engine = create_engine(config)
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
+        self.engine = engine if engine is not None else create_engine(config)
         self.config = config
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
