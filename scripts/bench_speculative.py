@@ -8,6 +8,10 @@ once, greedy, --output-len tokens; the figures are medians over --rounds rounds 
 TPOT: the acceptance rate, the tokens per verify step, and the planner's TPOT for the measured acceptance and its
 choice of k (`planner.speculative`, on --profile, a calibrated hardware profile, when given).
 
+With --paired each speculative run is paired with a plain run of the same prompt right before or after it (order
+alternating by round), and the row adds the median of the pairs' TPOT ratios: on a shared machine whose load moves
+between rounds this ratio is steadier than a ratio of medians.
+
     python scripts/bench_speculative.py --model bard --draft-model bard-draft --k 4 --profile P --out reports/spec.json
 """
 
@@ -62,6 +66,34 @@ def one(engine: LLMEngine, ids: list[int], n: int, rid: str) -> dict:
             "verify_steps": m.spec_num_steps, "tokens": len(out.token_ids), "token_ids": list(out.token_ids)}
 
 
+def run_rounds(engines: dict[str, LLMEngine], tasks: dict[str, list[int]], rounds: int, n: int, paired: bool
+               ) -> tuple[dict[tuple[str, str], list[dict]], dict[tuple[str, str], list[float]]]:
+    """Every (engine, task) once a round after one warm round. Paired: each speculative run beside its own plain
+    run, plain first in even rounds and last in odd ones; returns the runs and, paired, each pair's TPOT ratio."""
+    runs: dict[tuple[str, str], list[dict]] = {}
+    ratios: dict[tuple[str, str], list[float]] = {}
+
+    def timed(name: str, task: str, r: int) -> dict:
+        engines[name].kv_manager.reset_prefix_cache()
+        res = one(engines[name], tasks[task], n, f"{name}-{task}-{r}-{len(runs.get((name, task), []))}")
+        if r:
+            runs.setdefault((name, task), []).append(res)
+        return res
+
+    for r in range(rounds + 1):
+        for task in tasks:
+            if not paired:
+                for name in engines:
+                    timed(name, task, r)
+                continue
+            for name in (x for x in engines if x != "plain"):
+                order = ["plain", name] if r % 2 == 0 else [name, "plain"]
+                got = {who: timed(who, task, r) for who in order}
+                if r:
+                    ratios.setdefault((name, task), []).append(got[name]["tpot_ms"] / got["plain"]["tpot_ms"])
+    return runs, ratios
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="small")
@@ -75,6 +107,8 @@ def main() -> None:
     ap.add_argument("--async-scheduling", action="store_true",
                     help="also each speculative method with --async-scheduling (rounds chained on the device)")
     ap.add_argument("--profile", default=None, help="hardware profile for the planner (jaxserve calibrate)")
+    ap.add_argument("--paired", action="store_true",
+                    help="pair every speculative run with a plain run of the same prompt; report the median ratio")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     base = dict(model=a.model, max_num_seqs=4, max_num_batched_tokens=512, chunk_size=512)
@@ -91,14 +125,7 @@ def main() -> None:
     engines = {name: create_engine(config) for name, config in configs.items()}
     print(f"engines ready in {time.monotonic() - t0:.0f} s", file=sys.stderr)
     tasks = prompts(engines["plain"], a.prompt_len)
-    runs: dict[tuple[str, str], list[dict]] = {}
-    for r in range(a.rounds + 1):
-        for name, engine in engines.items():
-            for task, ids in tasks.items():
-                engine.kv_manager.reset_prefix_cache()
-                res = one(engine, ids, a.output_len, f"{name}-{task}-{r}")
-                if r:
-                    runs.setdefault((name, task), []).append(res)
+    runs, ratios = run_rounds(engines, tasks, a.rounds, a.output_len, a.paired)
     hw = load_hardware(a.profile) if a.profile else None
     spec = engines["plain"].spec
     draft = load_model_spec(a.draft_model) if a.draft_model else None
@@ -109,6 +136,7 @@ def main() -> None:
         drafts, acc, steps = (sum(x[k] for x in rs) for k in ("drafts", "accepted", "verify_steps"))
         row = {"method": name, "task": task, "tpot_ms": tpot, "tpot_runs_ms": [x["tpot_ms"] for x in rs],
                "plain_tpot_ms": plain, "speedup": plain / tpot,
+               "tpot_ratio_median_of_pairs": statistics.median(ratios[name, task]) if (name, task) in ratios else None,
                "same_tokens": all(x["token_ids"] == y["token_ids"] for x in rs for y in runs[("plain", task)]),
                "acceptance_rate": acc / drafts if drafts else None,
                "tokens_per_verify_step": 1 + acc / steps if steps else None}
@@ -124,7 +152,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = {"model": a.model, "draft_model": a.draft_model, "k": a.k, "prompt_len": a.prompt_len,
-              "output_len": a.output_len, "rounds": a.rounds, "profile": a.profile, "rows": rows,
+              "output_len": a.output_len, "rounds": a.rounds, "paired": a.paired, "profile": a.profile, "rows": rows,
               "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
