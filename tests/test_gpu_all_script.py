@@ -7,12 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scripts import gpu_all  # noqa: E402
 
 
+@pytest.mark.slow  # every part's smoke run, ~1-2 min: run it before asking for a device (BUILD.md, "On a GPU")
 def test_the_gpu_check_runs_every_part_and_summarizes_the_figures_on_a_cpu(tmp_path):
     run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_all.sh"), str(tmp_path), "--smoke"],
                          capture_output=True, text=True, timeout=900)
