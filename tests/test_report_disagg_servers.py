@@ -98,12 +98,15 @@ def test_two_pinned_servers_give_each_pools_capacity_against_the_planner():
     assert pre["measured"] == pytest.approx(6 / pre["busy_seconds"])
     assert dec["measured"] == pytest.approx(6 * 3 / dec["busy_seconds"] / 3)  # 3 of the 4 tokens decoded there
     assert 1 <= dec["decode_batch"] <= 4 and 0 < dec["busy_fraction"] <= 1
+    for r, work in ((pre, 6), (dec, 6)):  # the same work per CPU second of its server process
+        assert r["cpu_seconds"] > 0 and r["measured_per_cpu_second"] == pytest.approx(work / r["cpu_seconds"])
     planned = pool_balance(ctx.spec, ctx.hw, 32, 4, decode_batch=dec["decode_batch"], dtype="fp32")
     assert (pre["predicted"], dec["predicted"]) == pytest.approx((planned.prefill_rps, planned.decode_rps))
     assert kv["transfers"] == 6 and kv["measured"] == kv["predicted"]
     assert summarize_disagg(list(rows.values()))["mode"] == "processes"
     md = "\n".join(markdown({"rows": list(rows.values())}))
     assert "two server processes (prefill on cores" in md and "| prefill capacity | req/s |" in md
+    assert "Per CPU second of each server process" in md
     # Both servers and whatever they started are gone once the part is done.
     assert all(_gone(pid) for pid in c["server_pids"].values())
     for url in c["server_urls"].values():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -66,7 +67,8 @@ def role_app(engine: AsyncEngine, limits: ServerLimits | None = None, **app_args
 
 
 class _PoolAsyncEngine(AsyncEngine):
-    """A role's engine: one pool, its steps' busy time and work in its stats (`StepPoolCounters`), for /metrics."""
+    """A role's engine: one pool, its steps' busy time and work in its stats (`StepPoolCounters`), for /metrics,
+    beside the CPU seconds this process has used (all its threads: the pool's share of shared cores)."""
 
     def __init__(self, config: EngineConfig, engine: Any = None) -> None:
         super().__init__(config, engine=engine)
@@ -74,7 +76,7 @@ class _PoolAsyncEngine(AsyncEngine):
         self.add_observer(self.pool)
 
     def stats(self) -> dict[str, float]:
-        return {**super().stats(), **self.pool.counters}
+        return {**super().stats(), **self.pool.counters, "process_cpu_seconds": time.process_time()}
 
 
 class PrefillAsyncEngine(_PoolAsyncEngine):

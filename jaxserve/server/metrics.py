@@ -84,6 +84,9 @@ class _EngineStateCollector(Collector):
                           "kv_transfer_seconds")]
         if "prefill_busy_seconds" in s:  # a pool's busy time and work (engine/pool_stats.py): disaggregated roles
             counters += [(k, POOL_COUNTER_DOCS[k], k) for k in POOL_COUNTER_DOCS]
+        if "process_cpu_seconds" in s:
+            counters += [("process_cpu_seconds", "CPU seconds used by this server process, all its threads.",
+                          "process_cpu_seconds")]
         if "spec_decode_num_drafts" in s:  # speculative decoding (vLLM's spec_decode_* names)
             counters += [("spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_decode_num_drafts"),
                          ("spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_decode_num_draft_tokens"),

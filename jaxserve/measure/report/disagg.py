@@ -99,6 +99,7 @@ class PoolRun:
     kv_bytes: float
     kv_seconds: float
     checks: dict[str, dict[str, Any]] | None = None
+    cpu_seconds: dict[str, float] | None = None  # per pool: CPU seconds its server process used over the burst
     config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -123,11 +124,20 @@ def pool_rows(ctx, run: PoolRun) -> list[dict[str, Any]]:
     pool_extra = {pool: {"steps": int(c[f"{pool}_steps"]), "busy_seconds": busy[pool],
                          "busy_fraction": busy[pool] / run.duration, "measured_step_ms": rates[f"{pool}_step_ms"],
                          **((run.checks or {}).get(pool) or {})} for pool in busy}
+    if run.cpu_seconds:  # the same work per CPU second its process got: what other tenants of the cores took, out
+        work = {"prefill": c["prefill_prompts"], "decode": c["decode_output_tokens"] / (n_out - 1)}
+        for pool, x in pool_extra.items():
+            cpu = run.cpu_seconds[pool]
+            x.update(cpu_seconds=cpu, cpu_fraction=cpu / run.duration,
+                     measured_per_cpu_second=work[pool] / cpu if cpu else None)
     measured = {"prefill_capacity": meas_p, "decode_capacity": meas_d,
                 "balance": meas_p / meas_d if meas_p and meas_d else None,
                 "kv_bytes_per_request": run.kv_bytes / run.kv_transfers if run.kv_transfers else None}
     predicted = {"prefill_capacity": pred.prefill_rps, "decode_capacity": pred.decode_rps,
                  "balance": pred.balance, "kv_bytes_per_request": pred.kv_bytes_per_request}
+    for pool, x in pool_extra.items():
+        if "measured_per_cpu_second" in x:
+            x["per_cpu_second_error_pct"] = error_pct(predicted[f"{pool}_capacity"], x["measured_per_cpu_second"])
     extra = {"prefill_capacity": pool_extra["prefill"] | {"predicted_step_ms": 1e3 * pred.prefill_s},
              "decode_capacity": pool_extra["decode"] | {"predicted_step_ms": 1e3 * pred.decode_step_s,
                                                         "decode_batch": batch},
@@ -149,6 +159,10 @@ def pool_rows(ctx, run: PoolRun) -> list[dict[str, Any]]:
     for pool, x in pool_extra.items():
         log(f"disagg {p}+{d} {pool}: {x['steps']} steps, measured step {fmt(x['measured_step_ms'])} ms, busy "
             f"{_pct0(x['busy_fraction'])} of the run")
+        if "cpu_seconds" in x:
+            log(f"disagg {p}+{d} {pool} server: {fmt(x['cpu_seconds'], '.2f')} CPU s over the run "
+                f"({_pct0(x['cpu_fraction'])}); capacity per CPU second {fmt(x['measured_per_cpu_second'], '.4g')} "
+                f"req/s ({fmt_pct(x['per_cpu_second_error_pct'])})")
         if "overlap_fraction" in x:
             log(f"disagg {p}+{d} {pool} steps: {_pct0(x['overlap_fraction'])} of busy time beside the other pool; "
                 f"measured / predicted step: alone {fmt(x['alone_over_predicted'], '.2f')} ({x['alone_steps']} "
@@ -212,6 +226,13 @@ def markdown(report: dict[str, Any]) -> list[str]:
                   "pool's is slower than the single-device calibration it is predicted from. The planner assumes "
                   "separate devices: on CPU the measured capacities are expected below the predicted ones, and "
                   "the numbers above are not corrected for it."]
+    if "cpu_seconds" in pre:
+        lines += ["", "Per CPU second of each server process instead of per busy second (all its threads; what other "
+                  "tenants of the cores took is left out): prefill "
+                  f"{fmt(pre['measured_per_cpu_second'], '.3g')} req/s ({fmt_pct(pre['per_cpu_second_error_pct'])}, "
+                  f"{fmt(pre['cpu_fraction'], '.2f')} CPU s per s of the run), decode "
+                  f"{fmt(dec['measured_per_cpu_second'], '.3g')} req/s ({fmt_pct(dec['per_cpu_second_error_pct'])}, "
+                  f"{fmt(dec['cpu_fraction'], '.2f')} CPU s per s)."]
     if processes:
         lines += ["", "Busy time is each server's engine steps (schedule to outputs), read from its `/metrics`; the "
                   "prefill server's steps include offering each prompt's KV, the decode server's exclude writing "

@@ -150,7 +150,7 @@ def role_servers(cfg, prefill_cores: list[int], decode_cores: list[int], cpu: bo
 
 def scrape(url: str) -> dict[str, float]:
     """A role server's pool counters (`/metrics`) and, from a decode server, its KV counters (`/disagg/info`)."""
-    out = parse_counters(httpx.get(url + "/metrics", timeout=30).text, list(POOL_COUNTERS))
+    out = parse_counters(httpx.get(url + "/metrics", timeout=30).text, [*POOL_COUNTERS, "process_cpu_seconds"])
     info = httpx.get(url + "/disagg/info", timeout=30).json()
     return out | {k: float(info["counters"][k]) for k in KV_COUNTERS if k in info["counters"]}
 
@@ -186,6 +186,7 @@ def run_disagg_servers(ctx) -> list[dict[str, Any]]:
     return pool_rows(ctx, PoolRun(mode="processes", counters=counters, duration=run.duration, completed=completed,
                                   kv_transfers=int(kv.get("kv_imports", 0)), kv_bytes=kv.get("kv_import_bytes", 0.0),
                                   kv_seconds=kv.get("kv_pull_seconds", 0.0) + kv.get("kv_insert_seconds", 0.0),
+                                  cpu_seconds={role: delta[role]["process_cpu_seconds"] for role in delta},
                                   config={"prefill_cores": servers["cores"]["prefill"],
                                           "decode_cores": servers["cores"]["decode"],
                                           "server_pids": servers["pids"], "server_urls": url,
