@@ -32,7 +32,8 @@ def jaxserve(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def report_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("report")  # a subprocess: --disagg gives it 2 CPU devices, this process has 1
-    res = jaxserve("report", "--quick", "--model", "tiny", "--out", str(out), *(["--disagg", "1+1", "--disagg-in-process"] if DISAGG else []))
+    disagg = ["--disagg", "1+1", "--disagg-in-process"] if DISAGG else []
+    res = jaxserve("report", "--quick", "--model", "tiny", "--out", str(out), *disagg)
     assert res.returncode == 0, res.stderr
     return out
 
