@@ -1,5 +1,6 @@
-"""`jaxserve report --quick` (with `--disagg 1+1` where there are two cores): every part runs and
-report.json/md/png carry the promised keys; `--disagg` rejects bad input in one line."""
+"""`jaxserve report --quick` (with `--disagg 1+1 --disagg-in-process` where there are two cores): every part runs
+and report.json/md/png carry the promised keys; `--disagg` rejects bad input in one line. (The server processes
+that `--disagg` measures on a CPU by default: tests/test_report_disagg_servers.py.)"""
 
 import json
 import os
@@ -31,7 +32,8 @@ def jaxserve(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def report_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("report")  # a subprocess: --disagg gives it 2 CPU devices, this process has 1
-    res = jaxserve("report", "--quick", "--model", "tiny", "--out", str(out), *(["--disagg", "1+1"] if DISAGG else []))
+    disagg = ["--disagg", "1+1", "--disagg-in-process"] if DISAGG else []
+    res = jaxserve("report", "--quick", "--model", "tiny", "--out", str(out), *disagg)
     assert res.returncode == 0, res.stderr
     return out
 

@@ -37,20 +37,29 @@ def _pools_option(ctx: click.Context, param: click.Parameter, value: str | None)
 @click.option("--long-prompt-len", default=None, type=click.IntRange(min=16))
 @click.option("--load-num-prompts", default=None, type=click.IntRange(min=2))
 @click.option("--disagg", default=None, metavar="P+D", callback=_pools_option,
-              help="Also serve a burst on P prefill + D decode devices (on CPU: P + D fake devices, at most "
-                   "the cores) and compare each pool's capacity with the planner's.")
+              help="Also serve a burst on P prefill + D decode devices and compare each pool's capacity with the "
+                   "planner's (on a CPU: a prefill and a decode server process pinned to P and D cores of their "
+                   "own, at most the cores).")
+@click.option("--disagg-in-process", is_flag=True,
+              help="With --disagg: measure the disaggregated engine in this process (on a CPU: P + D fake devices "
+                   "sharing the cores) instead of server processes.")
+@click.option("--disagg-only", is_flag=True,
+              help="With --disagg: only that part (no grid, loads or chunked prefill); with --profile, no "
+                   "calibration either.")
 @click.option("--speculative-config", default=None, metavar="JSON",
               help="Also one request's TPOT with this speculative decoding (vLLM's JSON) against the planner's.")
 def report_command(model: str, dtype: str, quantization: str | None, kv_cache_dtype: str, profile: str | None,
                    out_dir: str, quick: bool, seed: int,
                    batch_sizes: str | None, context_lens: str | None, long_prompt_len: int | None,
-                   load_num_prompts: int | None, disagg: tuple[int, int] | None,
-                   speculative_config: str | None) -> None:
+                   load_num_prompts: int | None, disagg: tuple[int, int] | None, disagg_in_process: bool,
+                   disagg_only: bool, speculative_config: str | None) -> None:
     """Measured vs predicted: calibrate, grid, two loads, chunked prefill (+ --disagg); DIR/report.*."""
     from jaxserve.measure.report.context import ReportConfig, fmt
     from jaxserve.measure.report.disagg import provide_devices
     from jaxserve.measure.report.run import run_report
 
+    if (disagg_in_process or disagg_only) and not disagg:
+        raise click.UsageError("--disagg-in-process and --disagg-only go with --disagg P+D")
     if disagg and (quantization or kv_cache_dtype != "auto"):
         raise click.UsageError("--quantization and --kv-cache-dtype run on one device; drop --disagg")
     if disagg:  # before anything starts JAX: on CPU the devices are created with the backend
@@ -61,7 +70,7 @@ def report_command(model: str, dtype: str, quantization: str | None, kv_cache_dt
     check_writable(out_dir, is_dir=True)
     cfg = ReportConfig.quick_config(model) if quick else ReportConfig(model=model)
     cfg = replace(cfg, dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype, seed=seed, disagg=disagg,
-                  speculative=speculative_config)
+                  disagg_in_process=disagg_in_process, disagg_only=disagg_only, speculative=speculative_config)
     if speculative_config:
         try:
             parse_speculative_config(speculative_config)

@@ -129,3 +129,4 @@ class StepStats:
     decode_context_tokens: int = 0  # sum of the decodes' KV lengths (the attention a step reads)
     prefill_chunks: list[tuple[int, int]] = field(default_factory=list)  # (chunk tokens, tokens before it)
     compiled: bool = False  # the step compiled a new variant (never after warm-up)
+    num_prompts_done: int = 0  # prefill rows whose prompt finished in this step (each drew its first token)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,6 +29,7 @@ from jaxserve.disagg.protocol import INFO_PATH, remote_prefill_supported
 from jaxserve.disagg.remote_prefill import PrefillRouteMiddleware, RemotePrefill, prefill_route
 from jaxserve.disagg.transfer import TransferEndpoint
 from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.pool_stats import StepPoolCounters
 from jaxserve.server.app import build_app
 from jaxserve.server.limits import ServerLimits
 
@@ -64,7 +66,20 @@ def role_app(engine: AsyncEngine, limits: ServerLimits | None = None, **app_args
     return app
 
 
-class PrefillAsyncEngine(AsyncEngine):
+class _PoolAsyncEngine(AsyncEngine):
+    """A role's engine: one pool, its steps' busy time and work in its stats (`StepPoolCounters`), for /metrics,
+    beside the CPU seconds this process has used (all its threads: the pool's share of shared cores)."""
+
+    def __init__(self, config: EngineConfig, engine: Any = None) -> None:
+        super().__init__(config, engine=engine)
+        self.pool = StepPoolCounters()
+        self.add_observer(self.pool)
+
+    def stats(self) -> dict[str, float]:
+        return {**super().stats(), **self.pool.counters, "process_cpu_seconds": time.process_time()}
+
+
+class PrefillAsyncEngine(_PoolAsyncEngine):
     """The prefill role's engine: colocated, with its finished prompts' KV exported."""
 
     def __init__(self, config: EngineConfig, endpoint: TransferEndpoint, timeout_s: float) -> None:
@@ -72,7 +87,7 @@ class PrefillAsyncEngine(AsyncEngine):
         self.exporter = KVExporter(self.engine, endpoint, timeout_s)
 
 
-class DecodeAsyncEngine(AsyncEngine):
+class DecodeAsyncEngine(_PoolAsyncEngine):
     """The decode role's engine: each eligible request is prefilled remotely before it is submitted."""
 
     def __init__(self, config: EngineConfig, endpoint: TransferEndpoint, timeout_s: float,

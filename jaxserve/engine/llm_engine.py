@@ -232,7 +232,7 @@ class LLMEngine:
             prefill_chunks=[(int(batch.cu_q_lens[s + 1] - batch.cu_q_lens[s]),
                              int(batch.kv_lens[s] - (batch.cu_q_lens[s + 1] - batch.cu_q_lens[s])))
                             for s in range(batch.num_decodes, batch.num_seqs)],
-            compiled=compiled)
+            compiled=compiled, num_prompts_done=int(batch.samples[batch.num_decodes:].sum()))
 
     # Outputs --------------------------------------------------------------------------------------------------
     def _postprocess(self, tracked: _Tracked, result: StepResult, s: int, now: float) -> RequestOutput:

@@ -10,6 +10,11 @@ decode pool's output tokens per busy second. Busy time is measured per step:
 - decode: the whole synchronous decode step (schedule, forward, sample, stop checks), as colocated engine steps
   are timed for calibration.
 
+A server of one role (`jaxserve serve --disaggregation-mode prefill|decode`) is one pool by itself: its engine's
+steps are counted into the same counters by `StepPoolCounters` (an engine observer; each step's whole duration,
+schedule to outputs, is busy time: a step with prefill rows is a prefill step, one of decodes only a decode step),
+and its `/metrics` shows them (`jaxserve:prefill_busy_seconds_total`, ...).
+
 Counters are cumulative (`engine.counters`); `pool_rates` turns them (or a run's deltas) into rates. The engine
 also keeps each pool's recent steps (`PoolStep`: busy interval and shape); `overlap_fractions` says how much of
 each step ran while the other pool was busy (on devices that share hardware, e.g. fake CPU devices on the same
@@ -52,6 +57,34 @@ class PoolStep(NamedTuple):
     def of_stats(cls, start: float, end: float, stats: Any) -> PoolStep:
         """A step described by the engine's `StepStats`."""
         return cls(start, end, stats.num_decode_tokens, stats.decode_context_tokens, tuple(stats.prefill_chunks))
+
+
+class StepPoolCounters:
+    """POOL_COUNTERS of one engine's steps, fed as an engine observer (`AsyncEngine.add_observer`).
+
+    A step with prefill rows counts for the prefill pool (its prompts done, its prompt tokens); a step of decodes
+    only for the decode pool (one output token per decode row). A role server runs only one kind.
+    """
+
+    def __init__(self) -> None:
+        self.counters: dict[str, float] = dict(POOL_COUNTERS)
+
+    def on_step(self, stats: Any) -> None:
+        """Count one finished step (a `StepStats`); called on the engine thread."""
+        c = self.counters
+        if stats.num_prefill_tokens:
+            c["prefill_steps"] += 1
+            c["prefill_busy_seconds"] += stats.duration
+            c["prefill_prompts"] += stats.num_prompts_done
+            c["prefill_prompt_tokens"] += stats.num_prefill_tokens
+        elif stats.num_decode_tokens:
+            c["decode_steps"] += 1
+            c["decode_busy_seconds"] += stats.duration
+            c["decode_output_tokens"] += stats.num_decode_tokens
+            c["decode_batch_seqs"] += stats.num_decode_tokens
+
+    def on_request_finished(self, output: Any) -> None:
+        """Nothing: requests are counted by the steps that ran them."""
 
 
 class ReadyStamp:

@@ -22,6 +22,16 @@ from jaxserve.core.outputs import RequestOutput, StepStats
 logger = logging.getLogger("jaxserve.server")
 
 P = "jaxserve:"
+POOL_COUNTER_DOCS = {  # the keys of `jaxserve.engine.pool_stats.POOL_COUNTERS`
+    "prefill_steps": "Engine steps that ran prefill rows.",
+    "prefill_busy_seconds": "Seconds of engine steps that ran prefill rows.",
+    "prefill_prompts": "Prompts whose prefill finished.",
+    "prefill_prompt_tokens": "Prompt tokens run in prefill steps.",
+    "decode_steps": "Engine steps of decodes only.",
+    "decode_busy_seconds": "Seconds of engine steps of decodes only.",
+    "decode_output_tokens": "Tokens drawn by decode-only steps.",
+    "decode_batch_seqs": "Sequences summed over decode-only steps (divided by the steps: the mean batch).",
+}
 _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
 _TOKEN_LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -72,6 +82,11 @@ class _EngineStateCollector(Collector):
                          ("kv_transfer_bytes", "KV bytes moved to the decode pool.", "kv_transfer_bytes"),
                          ("kv_transfer_seconds", "Seconds spent moving KV to the decode pool.",
                           "kv_transfer_seconds")]
+        if "prefill_busy_seconds" in s:  # a pool's busy time and work (engine/pool_stats.py): disaggregated roles
+            counters += [(k, POOL_COUNTER_DOCS[k], k) for k in POOL_COUNTER_DOCS]
+        if "process_cpu_seconds" in s:
+            counters += [("process_cpu_seconds", "CPU seconds used by this server process, all its threads.",
+                          "process_cpu_seconds")]
         if "spec_decode_num_drafts" in s:  # speculative decoding (vLLM's spec_decode_* names)
             counters += [("spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_decode_num_drafts"),
                          ("spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_decode_num_draft_tokens"),

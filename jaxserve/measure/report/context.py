@@ -41,7 +41,9 @@ class ReportConfig:
     token_buckets: tuple[int, ...] | None = None  # None: `half_octave_ladder(budget)`; (): the engine's default
     calibration: Any = None  # a CalibrationConfig; None: the default (quick with --quick)
     quick: bool = False
-    disagg: tuple[int, int] | None = None  # (prefill devices, decode devices): run the `report_disagg` part
+    disagg: tuple[int, int] | None = None  # (prefill devices, decode devices): run the disaggregated part
+    disagg_in_process: bool = False  # the disaggregated engine in this process, also on a CPU (report/disagg.py)
+    disagg_only: bool = False  # no grid, loads or chunked prefill: only the disaggregated part
     disagg_input_len: int = 128
     disagg_output_len: int = 32
     disagg_num_prompts: int = 48

@@ -5,9 +5,11 @@ loads at about 50% and 90% of the planner's predicted capacity, and the `long-pr
 planner's chunk (ITL target 2x the undisturbed TPOT) and without chunking. Every point is predicted by the
 planner on the calibrated profile: the grid by its discrete-event simulator (a static batch is a transient),
 the loads by the simulator on the engine's own arrival trace (the closed form's steady state beside it), the
-chunked runs by `chunked_prefill_itls`. With `--disagg P+D`, also a disaggregated engine's pool capacities
-against `planner.disaggregate.pool_balance` (`jaxserve.measure.report.disagg`). Writes DIR/report.json,
-DIR/report.md and DIR/report.png (`jaxserve.measure.report.render`).
+chunked runs by `chunked_prefill_itls`. With `--disagg P+D`, also the pool capacities of a prefill and a
+decode server in separate processes (on a CPU; `--disagg-in-process` or an accelerator: the disaggregated engine
+in this process) against `planner.disaggregate.pool_balance` (`jaxserve.measure.report.disagg`); with
+`--disagg-only`, that part alone. Writes DIR/report.json, DIR/report.md and DIR/report.png
+(`jaxserve.measure.report.render`; no PNG without grid rows).
 """
 
 from __future__ import annotations
@@ -18,19 +20,23 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.measure.bench.results import finite
 from jaxserve.measure.calibrate.calibrate import CalibrationConfig, calibrate, planner_dtypes
 from jaxserve.measure.calibrate.steps import PromptSource, warm_engine
 from jaxserve.measure.report.chunked import run_chunked
 from jaxserve.measure.report.context import Context, Log, ReportConfig
-from jaxserve.measure.report.disagg import run_disagg
+from jaxserve.measure.report.disagg_engine import run_disagg_engine
+from jaxserve.measure.report.disagg_servers import run_disagg_servers
 from jaxserve.measure.report.grid import run_grid
 from jaxserve.measure.report.loads import run_loads
 from jaxserve.measure.report.probe import drift, drift_note, probe
 from jaxserve.measure.report.render import write_markdown, write_plot
 from jaxserve.measure.report.speculative import run_speculative
 from jaxserve.measure.report.summary import check_context, summarize
+from jaxserve.platform.devices import is_cpu
 from planner.hardware import load_hardware
 
 
@@ -64,8 +70,9 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
     ctx = Context(engine=engine, spec=engine.spec, hw=hw, dtype=dtype, kv_dtype=kv_dtype, cfg=cfg, log=log)
     rows: list[dict[str, Any]] = []
     probes = [probe(ctx, "before the grid")]
-    parts = [("grid", run_grid), ("loads", run_loads), ("chunked prefill", run_chunked)]
-    parts += [("disaggregated pools", run_disagg)] if cfg.disagg else []
+    parts = [] if cfg.disagg_only else [("grid", run_grid), ("loads", run_loads), ("chunked prefill", run_chunked)]
+    processes = is_cpu(jax.devices()[0]) and not cfg.disagg_in_process  # server processes: pinned to CPU cores
+    parts += [("disaggregated pools", run_disagg_servers if processes else run_disagg_engine)] if cfg.disagg else []
     parts += [("speculative decoding", run_speculative)] if cfg.speculative else []
     for name, part in parts:
         rows += part(ctx)
@@ -87,7 +94,8 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
     report = finite(report)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     write_markdown(report, out / "report.md")
-    write_plot(report, out / "report.png")
+    if any(r["kind"] == "grid" for r in rows):
+        write_plot(report, out / "report.png")
     return report
 
 
