@@ -16,7 +16,7 @@ from jaxserve.engine.pool_stats import POOL_COUNTERS, StepPoolCounters, pool_rat
 from jaxserve.measure.report import disagg_servers
 from jaxserve.measure.report.context import Context, ReportConfig
 from jaxserve.measure.report.disagg import markdown, summarize_disagg
-from jaxserve.measure.report.disagg_servers import parse_counters, run_disagg_servers
+from jaxserve.measure.report.disagg_servers import calibrate_pinned, parse_counters, run_disagg_servers
 from jaxserve.server.metrics import POOL_COUNTER_DOCS
 from modelspec.spec import load_model_spec
 from planner.disaggregate import pool_balance
@@ -87,6 +87,7 @@ def _processes_naming(text: str) -> list[int]:
 @pytest.mark.skipif(not TWO_CORES, reason="a core for each server")
 def test_two_pinned_servers_give_each_pools_capacity_against_the_planner():
     ctx = _context()
+    ctx.pool_hw = load_hardware("h200")  # the pools' own profile, where the report has one, prices them
     rows = {r["config"]["quantity"]: r for r in run_disagg_servers(ctx)}
     assert list(rows) == ["prefill_capacity", "decode_capacity", "balance", "kv_bytes_per_request"]
     pre, dec, bal, kv = rows.values()
@@ -100,7 +101,7 @@ def test_two_pinned_servers_give_each_pools_capacity_against_the_planner():
     assert 1 <= dec["decode_batch"] <= 4 and 0 < dec["busy_fraction"] <= 1
     for r, work in ((pre, 6), (dec, 6)):  # the same work per CPU second of its server process
         assert r["cpu_seconds"] > 0 and r["measured_per_cpu_second"] == pytest.approx(work / r["cpu_seconds"])
-    planned = pool_balance(ctx.spec, ctx.hw, 32, 4, decode_batch=dec["decode_batch"], dtype="fp32")
+    planned = pool_balance(ctx.spec, ctx.pool_hw, 32, 4, decode_batch=dec["decode_batch"], dtype="fp32")
     assert (pre["predicted"], dec["predicted"]) == pytest.approx((planned.prefill_rps, planned.decode_rps))
     assert kv["transfers"] == 6 and kv["measured"] == kv["predicted"]
     assert summarize_disagg(list(rows.values()))["mode"] == "processes"
@@ -129,3 +130,14 @@ def test_a_server_that_cannot_start_fails_the_part_in_one_line_and_leaves_nothin
     with pytest.raises(RuntimeError, match=r"exited with 2: .*no-such-model.*\(log "):
         run_disagg_servers(_context(model="no-such-model"))
     assert started and all(p.poll() is not None for p in started)
+
+
+def test_a_profile_calibrated_on_one_core_prices_the_pools(tmp_path):
+    """A pool's server runs on its own cores: the report calibrates a profile there (`jaxserve calibrate` pinned)."""
+    cfg = ReportConfig.quick_config("tiny")
+    path = calibrate_pinned(cfg, [0], tmp_path / "pool-profile.json", log=lambda _: None)
+    hw = load_hardware(str(path))
+    assert hw.coefficients.to_dict() and (tmp_path / "pool-profile.log").read_text()
+    assert math.isfinite(pool_balance(load_model_spec("tiny"), hw, 32, 4, dtype="fp32").prefill_rps)
+    with pytest.raises(ValueError, match=r"calibration pinned to cores \[0\] failed \(exit 2\)"):
+        calibrate_pinned(replace(cfg, model="no-such-model"), [0], tmp_path / "bad.json", log=lambda _: None)

@@ -89,6 +89,7 @@ class Context:
     log: Log = print
     salt: int = 0
     kv_dtype: str | None = None  # None: `dtype`
+    pool_hw: Any = None  # the disaggregated pools' profile (calibrated on one pool's cores), None: `hw`
 
     @property
     def dtypes(self) -> dict[str, str | None]:

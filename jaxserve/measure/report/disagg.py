@@ -111,8 +111,8 @@ def pool_rows(ctx, run: PoolRun) -> list[dict[str, Any]]:
     n_in, n_out = cfg.disagg_input_len, cfg.disagg_output_len
     c, rates = run.counters, pool_rates(run.counters)
     batch = rates["decode_mean_batch"] or 1.0
-    pred = pool_balance(ctx.spec, ctx.hw, n_in, n_out, prefill_tp=p, decode_tp=d, decode_batch=max(1.0, batch),
-                        dtype=ctx.dtype)
+    pred = pool_balance(ctx.spec, ctx.pool_hw or ctx.hw, n_in, n_out, prefill_tp=p, decode_tp=d,
+                        decode_batch=max(1.0, batch), dtype=ctx.dtype)
     meas_p = rates["prefill_prompts_per_busy_s"]
     meas_d = rates["decode_tokens_per_busy_s"] / (n_out - 1) if rates["decode_tokens_per_busy_s"] else None
     busy = {pool: c[f"{pool}_busy_seconds"] for pool in ("prefill", "decode")}

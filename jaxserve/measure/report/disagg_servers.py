@@ -75,13 +75,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args: list[str], cores: list[int], cpu: bool, log_path: Path) -> subprocess.Popen:
-    """`jaxserve serve ARGS` importing this tree, in its own process group; on a CPU pinned to `cores`, with as
+def launch(args: list[str], cores: list[int], cpu: bool, log_path: Path, command: str = "serve") -> subprocess.Popen:
+    """`jaxserve COMMAND ARGS` importing this tree, in its own process group; on a CPU pinned to `cores`, with as
     many CPU devices."""
     env = dict(os.environ)
     tree = str(Path(jaxserve.__file__).resolve().parents[1])  # the servers run the code this report runs
     env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "jaxserve", "serve", *args]
+    cmd = [sys.executable, "-m", "jaxserve", command, *args]
     taskset = shutil.which("taskset") if cpu else None
     if cpu and len(cores) > 1:  # JAX's own flag: one CPU device per pinned core (TP over them)
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={len(cores)}"
@@ -119,6 +119,27 @@ def wait_ready(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: floa
                 return
         time.sleep(0.5)
     raise RuntimeError(f"the server for {url} was not ready in {timeout_s:.0f} s (log {log_path})")
+
+
+def calibrate_pinned(cfg, cores: list[int], out: Path, log=print) -> Path:
+    """A hardware profile of `cfg`'s model measured by `jaxserve calibrate` pinned to `cores` (a pool's server
+    runs on those alone: a profile of all the cores prices its steps too fast); its path. ValueError, with the
+    log's last line, when calibration fails."""
+    args = ["--model", cfg.model, "--dtype", cfg.dtype, "--seed", str(cfg.seed), "--out", str(out),
+            *(["--quick"] if cfg.quick else []), *(["--kv-cache-memory", str(cfg.kv_cache_memory)]
+                                                 if cfg.kv_cache_memory else [])]
+    log_path = out.with_suffix(".log")
+    t0 = time.monotonic()
+    proc = launch(args, cores, True, log_path, command="calibrate")
+    try:
+        code = proc.wait()
+    finally:
+        stop(proc)
+    if code != 0 or not out.is_file():
+        lines = log_path.read_text(errors="replace").strip().splitlines()
+        raise ValueError(f"calibration pinned to cores {cores} failed (exit {code}): {lines[-1] if lines else ''}")
+    log(f"calibrated on cores {cores} alone in {time.monotonic() - t0:.0f} s: {out}")
+    return out
 
 
 @contextlib.contextmanager

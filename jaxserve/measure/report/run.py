@@ -28,8 +28,9 @@ from jaxserve.measure.calibrate.calibrate import CalibrationConfig, calibrate, p
 from jaxserve.measure.calibrate.steps import PromptSource, warm_engine
 from jaxserve.measure.report.chunked import run_chunked
 from jaxserve.measure.report.context import Context, Log, ReportConfig
+from jaxserve.measure.report.disagg import usable_cores
 from jaxserve.measure.report.disagg_engine import run_disagg_engine
-from jaxserve.measure.report.disagg_servers import run_disagg_servers
+from jaxserve.measure.report.disagg_servers import calibrate_pinned, run_disagg_servers
 from jaxserve.measure.report.grid import run_grid
 from jaxserve.measure.report.loads import run_loads
 from jaxserve.measure.report.probe import drift, drift_note, probe
@@ -51,6 +52,11 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
         f"{engine.runner.token_buckets})")
     calibration = None
     dtype, kv_dtype = planner_dtypes(engine)
+    processes = bool(cfg.disagg) and is_cpu(jax.devices()[0]) and not cfg.disagg_in_process  # pinned servers
+    pool_profile = None
+    if processes and not profile:  # the pools' servers run on P cores each: price them from a profile of P cores
+        pool_profile = str(calibrate_pinned(cfg, usable_cores()[:cfg.disagg[0]], out / "pool-profile.json", log))
+        profile = pool_profile if cfg.disagg_only else None  # that part alone: no calibration on every core
     if profile:
         check_profile_dtypes(profile, dtype, kv_dtype)
         hw = load_hardware(profile)
@@ -67,11 +73,11 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
         log(f"calibrated in {cal.seconds:.0f} s: step fit median |error| {cal.fit.median_abs_error:.1%}")
         # As after loading a profile: the first steps after the fit's seconds of host work ran slow (docs/tuning.md).
         warm_engine(engine, PromptSource(engine, cfg.seed + 1))
-    ctx = Context(engine=engine, spec=engine.spec, hw=hw, dtype=dtype, kv_dtype=kv_dtype, cfg=cfg, log=log)
+    ctx = Context(engine=engine, spec=engine.spec, hw=hw, dtype=dtype, kv_dtype=kv_dtype, cfg=cfg, log=log,
+                  pool_hw=load_hardware(pool_profile) if pool_profile else None)
     rows: list[dict[str, Any]] = []
     probes = [probe(ctx, "before the grid")]
     parts = [] if cfg.disagg_only else [("grid", run_grid), ("loads", run_loads), ("chunked prefill", run_chunked)]
-    processes = is_cpu(jax.devices()[0]) and not cfg.disagg_in_process  # server processes: pinned to CPU cores
     parts += [("disaggregated pools", run_disagg_servers if processes else run_disagg_engine)] if cfg.disagg else []
     parts += [("speculative decoding", run_speculative)] if cfg.speculative else []
     for name, part in parts:
@@ -83,7 +89,7 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
     summary["machine_drift"] = drift(probes)
     summary["machine_steady"] = drift_note(summary["machine_drift"]) is None
     report = {"model": cfg.model, "dtype": ctx.dtype, "kv_dtype": ctx.kv_dtype, "hardware": hw.name, "profile": profile,
-              "coefficients": hw.coefficients.to_dict(), "calibration": calibration,
+              "pool_profile": pool_profile, "coefficients": hw.coefficients.to_dict(), "calibration": calibration,
               "engine": {"max_num_seqs": engine.config.max_num_seqs, "step_budget": cfg.budget,
                          "page_size": engine.config.page_size, "token_buckets": list(engine.runner.token_buckets),
                          "attention_backend": engine.runner.ops.attention.name,
