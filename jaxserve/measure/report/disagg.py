@@ -237,9 +237,9 @@ def markdown(report: dict[str, Any]) -> list[str]:
         lines += ["", "Busy time is each server's engine steps (schedule to outputs), read from its `/metrics`; the "
                   "prefill server's steps include offering each prompt's KV, the decode server's exclude writing "
                   "the pulled KV into its pool (the KV move above). The client and the servers' HTTP and transfer "
-                  "threads share the same cores. The prediction is for the device the profile was calibrated on: "
-                  "a profile calibrated on more cores than a server has may predict it too fast (a one-core "
-                  "profile: `taskset -c 0 jaxserve calibrate ...`, then `--profile`)."]
+                  "threads share the same cores. The prediction is for the cores the pools' profile was calibrated on: "
+                  "without `--profile` the report calibrates one pinned to the prefill server's cores "
+                  "(`pool-profile.json`); a `--profile` of more cores than a server has predicts it too fast."]
     return lines + [""]
 
 
