@@ -45,7 +45,7 @@ def test_the_matmul_kernel_is_a_matmul(rows: int, inputs: int) -> None:
 @pytest.mark.parametrize("inputs", [37, 64, 130, 600])
 def test_one_row_sums_the_weights_in_parts(inputs: int) -> None:
     """One row of x takes w's rows in contiguous parts of at least 32 (37, 64: one and two parts; 130: four of 32
-    or 33 rows, not whole groups of four; 600: the most, 16) and adds the parts' partial outputs."""
+    or 33 rows, not whole groups of eight; 600: the most, 16) and adds the parts' partial outputs."""
     rng = np.random.default_rng(inputs)
     x = rng.standard_normal((1, inputs), dtype=np.float32)
     w = rng.standard_normal((inputs, 80), dtype=np.float32)

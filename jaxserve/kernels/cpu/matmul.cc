@@ -175,24 +175,39 @@ void BcastBand(const Problem& p, const float* xt, int64_t n0, int64_t n1) {
 // half the matrix; see docs/tuning.md.
 constexpr int kRowParts = 16;
 constexpr int kMinPartRows = 32;
+// Rows of w summed into y per pass over it, and how far ahead of them one row of x prefetches w into L2: a
+// part's rows are separate streams the hardware prefetcher followed too late (docs/tuning.md).
+constexpr int kRowGroup = 8;
+constexpr int kRowPrefetchRows = 8;
 // Bands of w's rows per thread for x @ w^T: its bands are contiguous in memory however many there are, and more
 // of them than threads let a thread that runs on finish what a descheduled one has not claimed.
 constexpr int kBandsPerThreadNT = 4;
 
+// y[c] += sum_j x[k + j] w[k + j][c] over G rows of w; with `prefetch`, the G rows kRowPrefetchRows further on
+// are requested into L2, a cache line of each per line read.
+template <int G>
+inline void RowGroup(const Problem& p, int64_t k, float* y, bool prefetch) {
+  const float* w = p.w + k * p.n;
+  const float* ahead = w + kRowPrefetchRows * p.n;
+  float xs[G];
+  for (int j = 0; j < G; ++j) xs[j] = p.x[k + j];
+  for (int64_t c = 0; c < p.n; c += kLanes) {
+    if (prefetch && c % kLineFloats == 0) {
+      for (int j = 0; j < G; ++j) __builtin_prefetch(ahead + j * p.n + c, 0, 2);
+    }
+    Vec acc = Load(y + c);
+    for (int j = 0; j < G; ++j) acc += xs[j] * Load(w + j * p.n + c);
+    Store(y + c, acc);
+  }
+}
+
 void RowPart(const Problem& p, int64_t k0, int64_t k1, float* y) {
   for (int64_t c = 0; c < p.n; c += kLanes) Store(y + c, Vec{});
   int64_t k = k0;
-  for (; k + 4 <= k1; k += 4) {
-    const float* w = p.w + k * p.n;
-    const float x0 = p.x[k], x1 = p.x[k + 1], x2 = p.x[k + 2], x3 = p.x[k + 3];
-    for (int64_t c = 0; c < p.n; c += kLanes) {
-      Store(y + c, Load(y + c) + x0 * Load(w + c) + x1 * Load(w + p.n + c) + x2 * Load(w + 2 * p.n + c) +
-                       x3 * Load(w + 3 * p.n + c));
-    }
+  for (; k + kRowGroup <= k1; k += kRowGroup) {
+    RowGroup<kRowGroup>(p, k, y, k + kRowPrefetchRows + kRowGroup <= p.k);
   }
-  for (; k < k1; ++k) {
-    for (int64_t c = 0; c < p.n; c += kLanes) Store(y + c, Load(y + c) + p.x[k] * Load(p.w + k * p.n + c));
-  }
+  for (; k < k1; ++k) RowGroup<1>(p, k, y, false);
 }
 
 ffi::Error RunOneRow(ffi::ThreadPool& pool, const Problem& p) {
