@@ -6,6 +6,7 @@ at several concurrencies. HF runs `generate` with static batches (greedy, KV cac
 
     python scripts/bench_vs_hf.py --out reports/bench_vs_hf.json
     python scripts/bench_vs_hf.py --async-scheduling --out reports/bench_vs_hf_async.json
+    python scripts/bench_vs_hf.py --num-scheduler-steps 4 --out reports/bench_vs_hf_k4.json
     python scripts/bench_vs_hf.py --profile reports/profile.json   # also: TPOT against the bandwidth floor
 
 With `--profile` (from `jaxserve calibrate`), each row also gets the decode floor: the bytes one step reads
@@ -159,6 +160,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--async-scheduling", action="store_true", help="jaxserve schedules one step ahead")
+    ap.add_argument("--num-scheduler-steps", type=int, default=1,
+                    help="jaxserve runs this many decode steps a dispatch while every request decodes")
     ap.add_argument("--profile", default=None, help="calibrated hardware profile: report TPOT / bandwidth floor")
     ap.add_argument("--measure-bandwidth", action="store_true",
                     help="floor from bandwidth measured just before and after each timed run (not --profile's)")
@@ -194,7 +197,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = []
     llm = LLM(model=args.model, max_num_seqs=max(batches), max_num_batched_tokens=2048, chunk_size=512,
-              async_scheduling=args.async_scheduling, cpu_kernels=not args.no_cpu_kernels)
+              async_scheduling=args.async_scheduling, num_scheduler_steps=args.num_scheduler_steps,
+              cpu_kernels=not args.no_cpu_kernels)
     plan = llm.engine.runner.ops.matmul.plan
     machine = {"machine_isa": cpu_kernels.machine_isa(), "kernel_variant": args.kernel_variant,
                "kernel_isa": None if args.no_cpu_kernels else cpu_kernels.isa(),
@@ -238,7 +242,8 @@ def main() -> None:
         llamacpp_rows(hf, rows, prompt_sets, args)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"model": args.model, "async_scheduling": args.async_scheduling, **machine,
+            json.dump({"model": args.model, "async_scheduling": args.async_scheduling,
+                       "num_scheduler_steps": args.num_scheduler_steps, **machine,
                        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                        "rows": rows}, f, indent=2)
 
