@@ -2,6 +2,7 @@
 
     python scripts/bench_step_ab.py --base eba4aed~1 --batch 1 --modes sync,async
     python scripts/bench_step_ab.py --base eba4aed~1 --batch 16 --modes sync
+    python scripts/bench_step_ab.py --base 2c28345 --batch 1 --modes sync,async --kernel-every-row
 
 `--base REV`'s `matmul.cc` (with its headers, from `git show`) is built into a library of its own and
 registered under targets of its own; engines traced while `jaxserve.kernels.cpu.matmul`'s targets name them run
@@ -30,6 +31,8 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.kernels.cpu import library as cpu_kernels
 from jaxserve.kernels.cpu import matmul as cpu_matmul
+from jaxserve.kernels.cpu.kernel_plan import KernelPlan
+from jaxserve.platform import kernel_choice
 
 MATMUL_FILES = ("matmul.cc", "pool.h", "vec.h")
 
@@ -78,6 +81,9 @@ def main() -> None:
     ap.add_argument("--modes", default="sync", help="comma-separated: sync, async")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--kernel-every-row", action="store_true",
+                    help="both engines run the matmul kernel at every row count it takes, not where the start-up "
+                         "plan measured it faster than XLA: the A/B then compares the two kernels")
     args = ap.parse_args()
     modes = args.modes.split(",")
     if not set(modes) <= {"sync", "async"}:
@@ -88,6 +94,10 @@ def main() -> None:
         base = register_base_matmul(args.base)
     except subprocess.CalledProcessError as e:
         ap.error(f"cannot build {args.base}'s matmul kernels: {(e.stderr or '').strip().splitlines()[-1:]}")
+    if args.kernel_every_row:
+        rows = frozenset(range(1, cpu_matmul.MAX_ROWS + 1))
+        plan = KernelPlan(cpu_kernels.isa() or "", rows, rows)
+        kernel_choice.choose = lambda *_, **__: plan  # the policy asks this module at start-up
     ours = (cpu_matmul.TARGET, cpu_matmul.TARGET_NT)
     engines = {(name, mode): decoding_engine(args, targets, mode == "async")
                for name, targets in ((f"base {args.base}", base), ("working tree", ours)) for mode in modes}
