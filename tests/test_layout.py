@@ -167,7 +167,11 @@ def _private_reads_at(path: Path, root: Path) -> list[str]:
         ROOT = saved
 
 
-PLATFORM_TESTS = re.compile(r"default_backend\(|\bplatform\s*(==|!=|in\b)|(==|!=)\s*[\"'](cpu|gpu|cuda|rocm|tpu)[\"']")
+# A comparison with a platform name, or a device's platform read through an attribute or a helper
+# (`is_cpu(device)`, `platform_of(devices)`, `device.platform`): outside jaxserve/platform/ files read
+# `PlatformPolicy` or `DeviceFacts` instead.
+PLATFORM_TESTS = re.compile(r"default_backend\(|\bplatform\s*(==|!=|in\b)|(==|!=)\s*[\"'](cpu|gpu|cuda|rocm|tpu)[\"']"
+                            r"|\bis_cpu\(|\bplatform_of\(|\b(dev|device|devices\[\d+\])\.platform\b")
 
 
 def test_only_the_platform_policy_asks_which_platform_it_runs_on():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -14,6 +15,7 @@ from jaxserve.kernels.gpu.split_kv_decode import SplitKvAttention
 from jaxserve.model.attention.reference import ACCELERATOR_TUNING, CPU_TUNING
 from jaxserve.model.ops import XLA_MATMULS
 from jaxserve.platform.attention_choice import select_backend
+from jaxserve.platform.devices import device_facts, host_memory_bytes
 from jaxserve.platform.kernel_choice import CPU_XLA_ROUTE
 from jaxserve.platform.policy import default_dtype, policy_for
 from tests.conftest import TINY_ENGINE_ARGS
@@ -61,3 +63,10 @@ def test_auto_on_a_gpu_is_the_split_kv_kernel_sized_to_the_device():
     backend = select_backend("auto", "gpu", jnp.bfloat16, 64, 16, num_sms=108)
     assert isinstance(backend, SplitKvAttention) and backend.num_sms == 108
     assert select_backend("pallas", "gpu", jnp.bfloat16, 64, 16, num_devices=2) == PallasAttention()  # sharded later
+
+
+def test_device_facts_describe_this_processs_cpu_once():
+    facts = device_facts()
+    assert (facts.platform, facts.cpu) == ("cpu", True)
+    assert facts.memory_bytes == host_memory_bytes() > 0  # a CPU's memory is the host's
+    assert facts == device_facts(jax.devices()[:1])

@@ -1,14 +1,35 @@
 """Facts about the devices that only the platform layer reads: whether a device is a CPU, how much memory it has.
 
-The engine's choices go through `policy.PlatformPolicy`; these are for what sizes memory and for the measurement
-tools, which describe and price a CPU differently from an accelerator.
+The engine's choices go through `policy.PlatformPolicy`; what sizes memory and the measurement tools (which
+describe and price a CPU differently from an accelerator) read `DeviceFacts`, looked at once, so no file outside
+this package asks which platform it runs on.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import jax
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What a set of devices is, read once from its first device."""
+
+    platform: str  # "cpu", "gpu", "tpu"
+    kind: str  # the device kind, for names and logs
+    cpu: bool
+    memory_bytes: float | None  # the host's memory on a CPU; what XLA may allocate on an accelerator (None: unknown)
+
+
+def device_facts(devices: Sequence[jax.Device] | None = None) -> DeviceFacts:
+    """The facts of `devices` (default: this process's `jax.devices()`)."""
+    device = next(iter(devices if devices is not None else jax.devices()))
+    platform, kind = device_description(device)
+    cpu = is_cpu(device)
+    return DeviceFacts(platform, kind, cpu, host_memory_bytes() if cpu else memory_limit(device))
 
 
 def is_cpu(device: jax.Device) -> bool:

@@ -15,7 +15,7 @@ import numpy as np
 from jaxserve.model.llama import linear
 from jaxserve.model.ops import XLA_MATMULS, MatmulRoute
 from jaxserve.model.quantize import QuantizedWeight
-from jaxserve.platform.devices import device_description, host_memory_bytes, is_cpu, memory_limit
+from jaxserve.platform.devices import device_facts
 from planner.hardware import CATALOG, GIGA, Hardware
 
 
@@ -118,13 +118,13 @@ def engine_mlp_weights(engine) -> list[Any]:
 def local_hardware(memory_bw: float, peak: float, dtype: str, weight_dtype: str | None = None) -> tuple[Hardware, str]:
     """A `Hardware` for the local device with measured peak (`dtype`'s GEMM) and bandwidth; links from the catalog
     if known. `weight_dtype` (int8, fp8 weights computed in `dtype`) gets the same peak."""
-    dev = jax.devices()[0]
-    platform, kind = device_description(dev)
+    facts = device_facts()
+    platform, kind = facts.platform, facts.kind
     base = CATALOG["cpu"]
     for name, hw in CATALOG.items():
         if hw is not base and name.split("-")[0] in kind.lower().replace(" ", ""):
             base = hw
-    memory = host_memory_bytes() if is_cpu(dev) else (memory_limit(dev) or base.memory_bytes)
+    memory = facts.memory_bytes or base.memory_bytes
     peaks = {dtype: peak}
     if dtype in ("bf16", "fp16"):
         peaks = {"bf16": peak, "fp16": peak}

@@ -32,7 +32,7 @@ import jax
 
 from jaxserve.engine.pool_stats import pool_rates
 from jaxserve.measure.report.context import error_pct, fmt, fmt_pct
-from jaxserve.platform.devices import device_description, is_cpu
+from jaxserve.platform.devices import device_facts
 from planner.disaggregate import pool_balance
 
 QUANTITIES = (("prefill_capacity", "req/s"), ("decode_capacity", "req/s"), ("balance", "prefill/decode"),
@@ -77,12 +77,12 @@ def provide_devices(p: int, d: int) -> str:
     devices = jax.devices()
     if len(devices) < n:
         raise ValueError(f"--disagg {p}+{d} needs {n} devices; {len(devices)} visible")
-    platform = device_description(devices[0])[0]
+    facts = device_facts(devices)
     cores = len(usable_cores())
-    if is_cpu(devices[0]) and n > cores:
+    if facts.cpu and n > cores:
         raise ValueError(f"--disagg {p}+{d} needs {n} CPU devices but this machine has {cores} cores "
                          "(fake devices beyond the cores would only share them)")
-    return platform
+    return facts.platform
 
 
 @dataclass
@@ -116,10 +116,10 @@ def pool_rows(ctx, run: PoolRun) -> list[dict[str, Any]]:
     meas_p = rates["prefill_prompts_per_busy_s"]
     meas_d = rates["decode_tokens_per_busy_s"] / (n_out - 1) if rates["decode_tokens_per_busy_s"] else None
     busy = {pool: c[f"{pool}_busy_seconds"] for pool in ("prefill", "decode")}
-    device = jax.devices()[0]
+    facts = device_facts()
     config = {"pools": f"{p}+{d}", "prefill_devices": p, "decode_devices": d, "input_len": n_in,
               "output_len": n_out, "num_prompts": cfg.disagg_num_prompts, "max_num_seqs": cfg.disagg_max_num_seqs,
-              "platform": device_description(device)[0], "device_kind": device.device_kind, "cpu": is_cpu(device),
+              "platform": facts.platform, "device_kind": facts.kind, "cpu": facts.cpu,
               "mode": run.mode, **run.config}
     pool_extra = {pool: {"steps": int(c[f"{pool}_steps"]), "busy_seconds": busy[pool],
                          "busy_fraction": busy[pool] / run.duration, "measured_step_ms": rates[f"{pool}_step_ms"],

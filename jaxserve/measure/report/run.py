@@ -20,8 +20,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import jax
-
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.measure.bench.results import finite
 from jaxserve.measure.calibrate.calibrate import CalibrationConfig, calibrate, planner_dtypes
@@ -37,7 +35,7 @@ from jaxserve.measure.report.probe import drift, drift_note, probe
 from jaxserve.measure.report.render import write_markdown, write_plot
 from jaxserve.measure.report.speculative import run_speculative
 from jaxserve.measure.report.summary import check_context, summarize
-from jaxserve.platform.devices import is_cpu
+from jaxserve.platform.devices import device_facts
 from planner.hardware import load_hardware
 
 
@@ -52,7 +50,7 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
         f"{engine.runner.token_buckets})")
     calibration = None
     dtype, kv_dtype = planner_dtypes(engine)
-    processes = bool(cfg.disagg) and is_cpu(jax.devices()[0]) and not cfg.disagg_in_process  # pinned servers
+    processes = bool(cfg.disagg) and device_facts().cpu and not cfg.disagg_in_process  # pinned servers
     pool_profile = None
     if processes and not profile:  # the pools' servers run on P cores each: price them from a profile of P cores
         pool_profile = str(calibrate_pinned(cfg, usable_cores()[:cfg.disagg[0]], out / "pool-profile.json", log))
