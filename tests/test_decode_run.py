@@ -103,6 +103,29 @@ def test_requests_asking_for_logprobs_take_one_step_dispatches(tiny_llm, multi_l
     assert got.outputs[0].logprobs == tiny_llm.generate([[5, 6, 7]], params)[0].outputs[0].logprobs
 
 
+def test_a_requests_last_run_stops_after_the_steps_it_needs(tiny_llm, multi_llm):
+    runner = multi_llm.engine.loop.decode_runner
+    runs = []
+    execute = runner.execute
+
+    def recording(batch, sampling, run):
+        drawn, logprobs = execute(batch, sampling, run)
+        runs.append((run.limits.tolist(), drawn[:, 0].tolist()))
+        return drawn, logprobs
+
+    runner.execute = recording
+    try:
+        params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+        got = multi_llm.generate([[5, 6, 7]], params)[0]
+    finally:
+        del runner.execute
+    assert got.token_ids == tiny_llm.generate([[5, 6, 7]], params)[0].token_ids
+    # the prompt's step draws one token; then runs of 4 and 2: the second's last two iterations never ran (a CPU's
+    # policy ends the loop), so their rows hold nothing, where a static trip count repeats the last token
+    assert [limits for limits, _ in runs] == [[4], [2]]
+    assert runs[1][1] == got.token_ids[5:7] + [0, 0]
+
+
 def test_nothing_compiles_after_warmup():
     llm = LLM(model="tiny", num_scheduler_steps=4, **{**TINY_ENGINE_ARGS, "max_num_seqs": 4})
     before = llm.engine.compile_count()

@@ -12,6 +12,9 @@
   yes (its steps hold no host round trip, so the host can run ahead); on a CPU, no (host and XLA share the cores);
 - on a GPU, the tiles of the attention kernel's prefill items, timed once per device kind and head layout
   (`gpu_attention_choice`);
+- whether a run of k decode steps a dispatch (`--num-scheduler-steps`) ends once every sequence has stopped: on a
+  CPU, yes (the loop's condition is read where it runs, and a request's last run often needs fewer than k steps);
+  on an accelerator, no (a data-dependent loop condition goes to the host every iteration);
 - the smallest token bucket: on a GPU a step of fewer than 8 rows pads to 8, since XLA lowered one-row projections
   to reduce fusions at well below the bandwidth eight rows reach (docs/results.md, the GPU run of 2026-12-04).
 
@@ -65,6 +68,7 @@ class PlatformPolicy:
     overlap_max_tokens: int | None = None  # the overlapped loop runs wider steps alone; None: overlaps all
     async_by_default: bool = False  # the loop when `--async-scheduling` is not given
     min_token_bucket: int = 1  # steps pad to at least this many tokens
+    decode_run_exits_early: bool = False  # a k-step decode run stops once every sequence has stopped
 
     @property
     def is_cpu(self) -> bool:
@@ -172,7 +176,8 @@ def policy_for(platform: str, attention: Any, route: MatmulRoute | None = None, 
         route = route or kernel_choice.CPU_XLA_ROUTE
         return PlatformPolicy(platform, ModelOps(attention, route), ModelOps(decode, route) if decode else None,
                               sampler_cut="search", wide_step_above=CPU_SEPARATE_DOTS_ABOVE,
-                              wide_step_options=CPU_SEPARATE_DOTS_OPTIONS, overlap_max_tokens=CPU_OVERLAP_MAX_TOKENS)
+                              wide_step_options=CPU_SEPARATE_DOTS_OPTIONS, overlap_max_tokens=CPU_OVERLAP_MAX_TOKENS,
+                              decode_run_exits_early=True)
     gpu = platform in GPU_PLATFORMS
     route = route or XLA_MATMULS
     return PlatformPolicy(platform, ModelOps(attention, route),

@@ -3,9 +3,10 @@
 When every sequence of a step is decoding, the engine may run k steps before the host looks again. Each
 iteration feeds what the previous one drew, writes its KV into slots the scheduler reserved, draws with the same
 (seed, token index) as a one-step dispatch would, and checks EOS, stop token ids and each sequence's token limit
-on the device: a sequence that has stopped writes its KV only to the trash page from then on. The trip count is
-static, so an accelerator never waits on the host between iterations; the host drops what a stopped sequence
-drew after its stop (and cuts at stop strings) when it collects.
+on the device: a sequence that has stopped writes its KV only to the trash page from then on. On an accelerator
+the trip count is static, so it never waits on the host between iterations; where the platform policy says so (a
+CPU) the run ends once every sequence has stopped, so a request's last run costs the steps it needs, not k. The
+host drops what a stopped sequence drew after its stop (and cuts at stop strings) when it collects.
 """
 
 from __future__ import annotations
@@ -102,7 +103,12 @@ def _decode_run_impl(runner: Any, k: int, t: int, draw: str, param_leaves, kv_ca
         return (kv, new, done | (live & stopped), drawn.at[i].set(new), logprobs.at[i].set(lp))
 
     init = (kv_caches, tokens, ~real, jnp.zeros((k, s_rows), jnp.int32), jnp.zeros((k, s_rows), jnp.float32))
-    kv_caches, _, _, drawn, logprobs = jax.lax.fori_loop(0, k, body, init)  # static trip count
+    if runner.policy.decode_run_exits_early:  # up to k iterations, none once every sequence has stopped
+        _, out = jax.lax.while_loop(lambda c: (c[0] < k) & ~jnp.all(c[1][2]),
+                                    lambda c: (c[0] + 1, body(c[0], c[1])), (jnp.int32(0), init))
+    else:  # a static trip count: the loop never asks the device whether to go on
+        out = jax.lax.fori_loop(0, k, body, init)
+    kv_caches, _, _, drawn, logprobs = out
     return drawn, logprobs, kv_caches
 
 
