@@ -172,3 +172,26 @@ def test_prometheus_shows_vllm_spec_decode_names(spec):
                  "spec_decode_num_accepted_tokens_total"):
         assert f"jaxserve:{name}{{" in text
     assert 'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="2"}' in text
+
+
+@pytest.mark.parametrize("speculative_config, rows", [
+    (None, set()),
+    ({**NGRAM, "num_speculative_tokens": 4}, {5, 10, 20}),  # S (k + 1) rows for S = 1, 2, 4
+])
+def test_the_kernel_plan_is_measured_at_the_rows_a_fused_round_runs(monkeypatch, speculative_config, rows):
+    from jaxserve.config.engine import EngineConfig
+    from jaxserve.engine import llm_engine
+
+    class Asked(Exception):
+        pass
+
+    def asked(model, kv_caches, **kw):
+        raise Asked(kw)
+
+    monkeypatch.setattr(llm_engine, "choose_policy", asked)
+    with pytest.raises(Asked) as got:
+        llm_engine.LLMEngine(EngineConfig(model="tiny", **ARGS, speculative_config=speculative_config))
+    kw = got.value.args[0]
+    ladder = {1, 2, 4, 8, 16, 24, 32, 48, 64}  # the token buckets of a 64-token budget
+    # the forward's rows among the projections' row counts, the logits rows among the LM head's
+    assert set(kw["token_buckets"]) == ladder | rows and set(kw["seq_buckets"]) == {1, 2, 4} | rows

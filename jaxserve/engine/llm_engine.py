@@ -26,7 +26,7 @@ from jaxserve.core.tokenizer import load_tokenizer, load_tokenizer_override
 from jaxserve.core.validation import encode_prompt, resolve_max_tokens
 from jaxserve.engine.loops import choose_loop
 from jaxserve.platform.policy import choose_policy
-from jaxserve.runner.buckets import default_token_ladder, power_of_two_ladder
+from jaxserve.runner.buckets import default_token_ladder, power_of_two_ladder, speculative_round_sizes
 from jaxserve.runner.logits_processing import prepare_request
 from jaxserve.runner.model_builder import build_model_and_cache
 from jaxserve.runner.model_runner import ModelRunner, StepResult
@@ -74,10 +74,13 @@ class LLMEngine:
         self.dtype = built.dtype
         token_buckets = config.token_buckets or default_token_ladder(config.max_num_batched_tokens)
         seq_buckets = config.seq_buckets or power_of_two_ladder(config.max_num_seqs)
-        self.policy = choose_policy(built.model, built.kv_caches, attention_backend=config.attention_backend,
-                                    cpu_kernels=config.cpu_kernels, token_buckets=token_buckets,
-                                    seq_buckets=seq_buckets)
         spec_k = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
+        # a fused speculative round's forward and LM head take S (k + 1) rows: the kernel plan measures those too
+        round_rows = tuple(s * (spec_k + 1) for s in speculative_round_sizes(
+            seq_buckets, spec_k, min(config.max_num_seqs * (1 + spec_k), max(token_buckets)))) if spec_k else ()
+        self.policy = choose_policy(built.model, built.kv_caches, attention_backend=config.attention_backend,
+                                    cpu_kernels=config.cpu_kernels, token_buckets=(*token_buckets, *round_rows),
+                                    seq_buckets=(*seq_buckets, *round_rows))
         self.runner = ModelRunner(built.model, built.kv_caches, self.policy, page_size=config.page_size,
                                   max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
                                   token_buckets=self.policy.token_buckets(token_buckets), seq_buckets=seq_buckets,

@@ -52,3 +52,9 @@ def bucket_for(n: int, ladder: tuple[int, ...]) -> int:
         if b >= n:
             return b
     raise ValueError(f"{n} exceeds the largest bucket {ladder[-1]}")
+
+
+def speculative_round_sizes(seq_buckets: tuple[int, ...], k: int, max_rows: int) -> tuple[int, ...]:
+    """The sequence buckets S a fused speculative round of k drafts a sequence runs in: its forward and its logits
+    take S (k + 1) rows, at most `max_rows` (the widest token bucket, the logits rows held)."""
+    return tuple(s for s in seq_buckets if s * (k + 1) <= max_rows)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.core.batch import RaggedBatch, empty_batch, is_placeholder, placeholder_seq
-from jaxserve.runner.buckets import bucket_for
+from jaxserve.runner.buckets import bucket_for, speculative_round_sizes
 from jaxserve.runner.compiles import compiled_variants
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.parallel import params_shardings
@@ -139,8 +139,8 @@ class FusedRound:
 
     def __init__(self, target: ModelRunner, k: int, draft: Any) -> None:
         self.target, self.k, self.draft = target, k, draft  # draft: a DraftProposer or None
-        self.sizes = tuple(s for s in target.seq_buckets
-                           if s * (k + 1) <= target.max_logits_rows and s * (k + 1) <= target.token_buckets[-1])
+        self.sizes = speculative_round_sizes(target.seq_buckets, k,
+                                             min(target.max_logits_rows, target.token_buckets[-1]))
         self._fns: dict[tuple[int, str], Any] = {}
         m = target.max_sampled
         self.no_carry = tuple(jnp.zeros(m, jnp.int32, device=target.replicated) for _ in range(4))
