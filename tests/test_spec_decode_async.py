@@ -111,3 +111,17 @@ def test_a_round_holds_no_branch_and_no_device_bound_loop(spec):
     empty = dataclasses.replace(empty_batch(), num_drafts=np.zeros(0, np.int32))
     text = rnd.lower(rnd.prepare(empty, [], [], set(), size=rnd.sizes[-1])).as_text()
     assert conditionals(text) == [] and dynamic_while_loops(text) == [] and host_round_trips(text) == []
+
+
+def test_chained_rounds_propose_what_a_collected_round_would():
+    # n-gram lookup on the device once the round in flight is known: the rounds a synchronous loop runs, where a
+    # guess on the host (before that round was known) wasted the round after each partly accepted one
+    collected, chained = LLM("tiny", **ARGS, speculative_config=NGRAM), _overlapped(NGRAM)
+    prompts = _prompts(2, 120, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want, got = collected.generate(prompts, params), chained.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert _chained(chained) > 0
+    steps = [(o.metrics.spec_num_steps, o.metrics.spec_num_draft_tokens, o.metrics.spec_num_accepted_tokens)
+             for o in (*want, *got)]
+    assert steps[2:] == steps[:2]  # rounds, drafts and accepted drafts of each request

@@ -1,13 +1,16 @@
 """`--speculative-config`: vLLM's JSON, one dataclass, one-line errors (exit 2 on the command line)."""
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from cli_helpers import run_cli
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxserve.config.engine import EngineConfig
 from jaxserve.config.speculative import SpeculativeConfig, parse_speculative_config
-from jaxserve.spec_decode.ngram import ngram_propose
+from jaxserve.spec_decode.ngram import lookup_on_device, ngram_propose
 
 
 def test_ngram_config_as_vllm_spells_it():
@@ -79,3 +82,22 @@ def _ngram_by_windows(tokens: list[int], k: int, min_n: int, max_n: int) -> list
 def test_ngram_lookup_is_the_longest_most_recent_earlier_match(tokens, k, min_n, max_n):
     assert ngram_propose(tokens, k, min_n, max(min_n, max_n)) == _ngram_by_windows(tokens, k, min_n,
                                                                                   max(min_n, max_n))
+
+
+_on_device = jax.jit(lookup_on_device, static_argnums=(5, 6, 7))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=24), st.lists(st.integers(0, 3), min_size=4, max_size=4),
+       st.integers(0, 4), st.integers(0, 3), st.integers(0, 4), st.integers(1, 2), st.integers(0, 2))
+def test_the_devices_lookup_is_the_hosts_on_the_tokens_known_after_a_round(known, drafts, accepted, last, room,
+                                                                            min_n, extra):
+    # a chained round's lookup: the known tokens, the drafts the round before accepted, then its own token
+    window = np.full(24, -1, np.int32)
+    window[24 - len(known):] = known
+    props, real = _on_device(jnp.asarray(window), jnp.asarray(drafts, jnp.int32), accepted, last, room, 4, min_n,
+                             min_n + extra)
+    real = np.asarray(real)
+    assert list(real) == sorted(real, reverse=True)  # the proposals are a prefix of the k rows
+    want = ngram_propose(known + drafts[:accepted] + [last], room, min_n, min_n + extra) if room else []
+    assert np.asarray(props)[real].tolist() == want

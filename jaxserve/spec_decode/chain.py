@@ -5,10 +5,11 @@ none: each sequence's chunk starts with a placeholder for the round's last token
 the position after its last token now, its draws' token indices start one past its output now, and its pages
 cover the most the round in flight may have accepted. The device moves every linked row on by the drafts actually
 accepted (`round.py`). Draft counts are cut so that even a fully accepted round in flight leaves room within
-max_tokens and max_model_len. N-gram proposals come from the tokens known, followed by the round in flight's own
-drafts as if all were accepted, when lookup on the tokens known now proposes those drafts too (else as if it
-accepted none): the first token the lookup then proposes stands for that round's own token, the rest are the next
-round's drafts; when the guess is wrong they are rejected, which costs speed, never tokens.
+max_tokens and max_model_len. N-gram proposals are made on the device (`ngram.lookup_on_device`) once the round in
+flight is known: the host sends each sequence's newest known tokens and lays out placeholders for as many drafts
+as it may verify; the device looks up the continuation of those tokens, the drafts that round accepted and its own
+token, as a collected round's lookup would. (A guess on the host, before that round was known, wasted the round
+after every partly accepted one.)
 """
 
 from __future__ import annotations
@@ -18,14 +19,20 @@ import itertools
 import numpy as np
 
 from jaxserve.core.batch import RaggedBatch, placeholder
-from jaxserve.spec_decode.ngram import NgramProposer, ngram_propose
+from jaxserve.spec_decode.ngram import DEVICE_WINDOW, device_window
 
 
-def chain_batch(flight: RaggedBatch, kv, k: int, max_model_len: int, ngram: NgramProposer | None
-                ) -> tuple[RaggedBatch, list[int]] | None:
-    """The round after `flight` (a round of decodes in flight) for the same sequences in the same order, and each
-    sequence's first token index, or None when pages are short (`kv`: the engine's KVCacheManager)."""
+def chain_batch(flight: RaggedBatch, kv, k: int, max_model_len: int, lookup_rows: tuple[int, int] | None
+                ) -> tuple[RaggedBatch, list[int], tuple | None] | None:
+    """The round after `flight` (a round of decodes in flight) for the same sequences in the same order, each
+    sequence's first token index and, for n-gram (`lookup_rows`: max_num_seqs N and sampled rows M of the round's
+    placeholders), the device lookup's inputs (window [M, DEVICE_WINDOW], room [M]); or None when pages are short
+    (`kv`: the engine's KVCacheManager)."""
     page_size = kv.page_size
+    lookup = None
+    if lookup_rows is not None:
+        n_seq, m = lookup_rows
+        lookup = (np.full((m, DEVICE_WINDOW), -1, np.int32), np.zeros(m, np.int32))
     tokens: list[int] = []
     q_lens, starts, drafts, steps = [], [], [], []
     for s, req in enumerate(flight.requests):
@@ -33,16 +40,11 @@ def chain_batch(flight: RaggedBatch, kv, k: int, max_model_len: int, ngram: Ngra
         last = req.num_tokens  # the round in flight's last token goes here, if it accepts none of its drafts
         out = len(req.output_token_ids) + 1
         room = max(0, min(k, req.max_tokens - out - n_prev - 1, max_model_len - last - n_prev - 2))
-        proposal: list[int] = []
-        if ngram is not None and room > 0:
-            c = int(flight.cu_q_lens[s])
-            history, in_flight = req.all_token_ids, flight.token_ids[c + 1: c + 1 + n_prev].tolist()
-            # Its drafts were guessed before the round before it was known: if lookup on what is known now would
-            # propose them too, they may well be accepted; if not, that round will most likely emit one token.
-            if in_flight and ngram_propose(history, n_prev, ngram.min_n, ngram.max_n) == in_flight:
-                history = history + in_flight
-            proposal = ngram_propose(history, room + 1, ngram.min_n, ngram.max_n)[1:]
-        elif ngram is None:
+        if lookup is not None:  # the device's lookup fills them: proposal i of sequence s at N + i M + s
+            proposal = [placeholder(n_seq + i * m + s) for i in range(room)]
+            device_window(req.all_token_ids, lookup[0][s])
+            lookup[1][s] = room
+        else:
             proposal = [0] * room  # the draft model's, filled on the device
         if not kv.allocate(req, n_prev + len(proposal) + 2):  # from its last computed token on, at most
             return None
@@ -66,4 +68,4 @@ def chain_batch(flight: RaggedBatch, kv, k: int, max_model_len: int, ngram: Ngra
                         positions=positions, cu_q_lens=cu, kv_lens=first + q, page_table=table,
                         slot_mapping=slots.astype(np.int32), logits_indices=np.arange(int(cu[-1]), dtype=np.int32),
                         samples=np.ones(num_seqs, bool), num_drafts=np.array(drafts, np.int32))
-    return batch, steps
+    return batch, steps, lookup

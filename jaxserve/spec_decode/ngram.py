@@ -7,6 +7,8 @@ earlier proposes the (up to) k tokens that followed its most recent earlier occu
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 # Only this many most recent tokens are searched: the lookup stays O(window) per step whatever the context.
@@ -61,3 +63,39 @@ def draft_room(req, k: int, max_model_len: int) -> int:
     if req.num_tokens_owed != 1:
         return 0
     return max(0, min(k, req.max_tokens - len(req.output_token_ids) - 1, max_model_len - req.num_tokens - 1))
+
+
+# The tokens a chained round's lookup on the device searches (`lookup_on_device`): the host sends each sequence's
+# newest DEVICE_WINDOW tokens a round.
+DEVICE_WINDOW = 512
+
+
+def lookup_on_device(window: jax.Array, drafts: jax.Array, accepted: jax.Array, last: jax.Array, room: jax.Array,
+                     k: int, min_n: int, max_n: int) -> tuple[jax.Array, jax.Array]:
+    """`ngram_propose` of one sequence on the device, once the round before is known: the tokens are `window` (its
+    known tokens, right-aligned, -1 before them), then the first `accepted` of that round's `drafts` [k] (-1
+    padded), then `last`, its newest token. Returns (up to k proposals, which of them are real): at most `room`,
+    the same as `ngram_propose(tokens, room, min_n, max_n)` on those tokens (within the window)."""
+    w = window.shape[0]
+    ext = jnp.concatenate([window, jnp.where(jnp.arange(k) < accepted, drafts, -1), jnp.full((1,), -1, window.dtype)])
+    end = w + accepted
+    pos = jnp.arange(ext.shape[0])
+    ext = jnp.where(pos == end, last, ext)
+    suffix = ext[jnp.maximum(end - jnp.arange(max_n), 0)]  # the newest token first
+    padded = jnp.concatenate([jnp.full((max_n,), -1, ext.dtype), ext])
+    # [L, max_n]: whether the token m before each position matches the one m before the end (static shifts)
+    same = jnp.stack([padded[max_n - m: max_n - m + ext.shape[0]] for m in range(max_n)], axis=1) == suffix
+    same = same & (suffix >= 0) & (pos < end)[:, None]  # a candidate occurrence has a token after it
+    length = jnp.sum(jnp.cumprod(same, axis=1), axis=1)  # how far back each keeps matching
+    n = length.max()
+    best = jnp.max(jnp.where((length == n) & (n > 0), pos, -1))  # the most recent of the longest
+    src = best + 1 + jnp.arange(k)
+    real = (n >= max(min_n, 1)) & (src <= end) & (jnp.arange(k) < room)
+    return jnp.where(real, ext[jnp.clip(src, 0, ext.shape[0] - 1)], 0), real
+
+
+def device_window(tokens: list[int], out: np.ndarray) -> None:
+    """Write the newest tokens right-aligned into `out` [DEVICE_WINDOW] (-1 before them): a lookup's host input."""
+    tail = tokens[-out.shape[0]:]
+    out[: out.shape[0] - len(tail)] = -1
+    out[out.shape[0] - len(tail):] = tail

@@ -37,6 +37,7 @@ from jaxserve.runner.parallel import params_shardings
 from jaxserve.runner.sampler import TIERS, SamplingArrays, tier_for
 from jaxserve.runner.sampling import logprobs_of
 from jaxserve.spec_decode.draft import propose_draws
+from jaxserve.spec_decode.ngram import DEVICE_WINDOW, lookup_on_device
 from jaxserve.spec_decode.rejection import verify
 
 
@@ -73,12 +74,13 @@ def _shift(runner: ModelRunner, tok, pos, meta, row_seq, shift, pool):
 
 
 def _round_impl(target: ModelRunner, draft: ModelRunner | None, k: int, tier: str, param_t, kv_t, param_d, kv_d,
-                verify_in, carry, draft_in):
+                verify_in, carry, draft_in, lookup: tuple[int, int] | None = None):
     """One round: (accepted [R], tokens [R], logprobs [R][, top ids, top logprobs]), its carry (accepted drafts,
-    last token, the token before, drafts verified, per sequence [M]), kv_t, kv_d."""
+    last token, the token before, drafts verified, per sequence [M]; the drafts themselves [M, k]), kv_t, kv_d.
+    `lookup`: n-gram's (min_n, max_n), whose chained rounds propose on the device (`draft_in`: window, room)."""
     packed, has_draft, q_index, row_seq, logit_seq, first_row, link, temperature, top_k, top_p, min_p, seed, \
         step = verify_in
-    acc_in, last_in, before_in, drafts_in = carry
+    acc_in, last_in, before_in, drafts_in, proposed_in = carry
     draw, want_top, _ = TIERS[tier]
     shift = jnp.where(link >= 0, acc_in[jnp.maximum(link, 0)], 0)  # [max_num_seqs]
     lagging = (link >= 0) & (drafts_in[jnp.maximum(link, 0)] > 0) & (shift == drafts_in[jnp.maximum(link, 0)])
@@ -108,13 +110,26 @@ def _round_impl(target: ModelRunner, draft: ModelRunner | None, k: int, tier: st
                                              jnp.where(live, slots, 0), table, limits, *rows)
         pool = jnp.concatenate([last, drafts.reshape(-1)])  # draft i + 1 of speculating j: N + i * M + j
         q = q_flat[q_index]
-    tok, pos, meta, idx = target.layout.unpack(packed)
-    tok, pos, meta = _shift(target, tok, pos, meta, row_seq, shift, pool)
+    real = None  # [k * M]: whether the device's proposal i of sequence j (at i * M + j) is one
+    if lookup is not None:  # n-gram: a chained round's rows hold placeholders for proposals made here
+        window, room = draft_in
+        m, n_seq = window.shape[0], link.shape[0]
+        seq = jnp.minimum(jnp.arange(m), n_seq - 1)
+        props, ok = jax.vmap(lookup_on_device, in_axes=(0, 0, 0, 0, 0, None, None, None))(
+            window, proposed_in[jnp.maximum(link, 0)][seq], shift[seq], last[seq], room, k, *lookup)
+        pool = jnp.concatenate([last, props.T.reshape(-1)])
+        real = ok.T.reshape(-1)
+    tok_in, pos, meta, idx = target.layout.unpack(packed)
+    tok, pos, meta = _shift(target, tok_in, pos, meta, row_seq, shift, pool)
     model = target.model(param_t)
     hidden, kv_t = model(tok, pos, kv_t, meta, target.policy.ops_for(False))
     r = temperature.shape[0]
     logits = model.compute_logits(hidden[idx][:r], target.ops.matmul)
-    d = jnp.where(has_draft, tok[jnp.minimum(idx[:r] + 1, tok.shape[0] - 1)], -1)  # a row's draft: the next token
+    nxt = jnp.minimum(idx[:r] + 1, tok.shape[0] - 1)
+    if real is not None:  # a row whose proposal the lookup did not find verifies none
+        ph = placeholder_seq(tok_in[nxt]) - link.shape[0]
+        has_draft = has_draft & (~is_placeholder(tok_in[nxt]) | (ph < 0) | real[jnp.clip(ph, 0, real.shape[0] - 1)])
+    d = jnp.where(has_draft, tok[nxt], -1)  # a row's draft: the next token
     step = step + jnp.where(logit_seq >= 0, shift[jnp.maximum(logit_seq, 0)], 0)
     accepted, tokens = verify(logits, temperature, top_k, top_p, min_p, seed, step, d, q, draw=draw,
                               cut=target.policy.sampler_cut)
@@ -129,7 +144,11 @@ def _round_impl(target: ModelRunner, draft: ModelRunner | None, k: int, tier: st
     at = jnp.minimum(first_row + acc, r - 1)
     chunk_first = tok[idx[first_row]]
     num_drafts = jax.ops.segment_sum(has_draft.astype(jnp.int32), jnp.where(logit_seq >= 0, logit_seq, m), m + 1)
-    carry_out = (acc, tokens[at], jnp.where(acc > 0, tokens[jnp.maximum(at - 1, 0)], chunk_first), num_drafts[:m])
+    row_seq_l = jnp.maximum(logit_seq, 0)
+    proposed = jnp.full((m + 1, k), -1, jnp.int32).at[jnp.where(has_draft, logit_seq, m), jnp.clip(
+        jnp.arange(r) - first_row[row_seq_l], 0, k - 1)].set(d)[:m]  # the next round's lookup reads them
+    carry_out = (acc, tokens[at], jnp.where(acc > 0, tokens[jnp.maximum(at - 1, 0)], chunk_first), num_drafts[:m],
+                 proposed)
     return (accepted, tokens, *logprobs_of(logits, tokens, want_top)), carry_out, kv_t, kv_d
 
 
@@ -137,13 +156,15 @@ class FusedRound:
     """Runs decode-only speculative rounds in one dispatch each (see the module doc), compiled per (sequence
     bucket, sampler tier) at warm-up. `dispatch` leaves a round in flight; `collect` reads its small result."""
 
-    def __init__(self, target: ModelRunner, k: int, draft: Any) -> None:
+    def __init__(self, target: ModelRunner, k: int, draft: Any, ngram: Any = None) -> None:
         self.target, self.k, self.draft = target, k, draft  # draft: a DraftProposer or None
+        self.lookup = (ngram.min_n, ngram.max_n) if ngram is not None else None  # an NgramProposer's n-grams
         self.sizes = speculative_round_sizes(target.seq_buckets, k,
                                              min(target.max_logits_rows, target.token_buckets[-1]))
         self._fns: dict[tuple[int, str], Any] = {}
         m = target.max_sampled
-        self.no_carry = tuple(jnp.zeros(m, jnp.int32, device=target.replicated) for _ in range(4))
+        self.no_carry = (*(jnp.zeros(m, jnp.int32, device=target.replicated) for _ in range(4)),
+                         jnp.full((m, k), -1, jnp.int32, device=target.replicated))
 
     def accepts(self, batch: RaggedBatch) -> bool:
         """Whether `batch` runs as one round: every sequence draws, each on a chunk of its last token and drafts."""
@@ -158,7 +179,7 @@ class FusedRound:
     def _fn(self, size: int, tier: str) -> Any:
         if (size, tier) not in self._fns:
             t, d = self.target, self.draft
-            fn = functools.partial(_round_impl, t, None if d is None else d.runner, self.k, tier)
+            fn = functools.partial(_round_impl, t, None if d is None else d.runner, self.k, tier, lookup=self.lookup)
             if t.mesh is None:
                 self._fns[size, tier] = jax.jit(fn, donate_argnums=(1, 3))
             else:
@@ -173,10 +194,11 @@ class FusedRound:
         return self._fns[size, tier]
 
     def prepare(self, batch: RaggedBatch, seeds: list[int], steps: list[int], live: set[str],
-                link: list[int] | None = None, size: int | None = None) -> RoundInputs:
+                link: list[int] | None = None, size: int | None = None, lookup: tuple | None = None) -> RoundInputs:
         """A round of `batch` (`accepts` it): sequence s's rows draw token indices steps[s] + j; `link`: the
         sequence of the round in flight each continues (None: none; `chain.py` lays such a batch out); `size`:
-        the sequence bucket (default: the batch's)."""
+        the sequence bucket (default: the batch's); `lookup`: n-gram's (window [M, DEVICE_WINDOW], room [M]) for
+        a chained round whose draft rows the device's lookup fills (`chain.py`; default: none)."""
         t, k = self.target, self.k
         size = size or self.size(batch.num_seqs)
         r = size * (k + 1)
@@ -185,6 +207,9 @@ class FusedRound:
         if self.draft is not None:  # first: it writes the draft rows' placeholders into the batch
             draft, qi = self.draft.round_inputs(batch, seeds, steps, size, live, chained=link is not None)
             q_index[: len(qi)] = qi
+        elif self.lookup is not None:
+            m = t.max_sampled
+            draft = lookup or (np.full((m, DEVICE_WINDOW), -1, np.int32), np.zeros(m, np.int32))
         rows, has, logit_seq = [], [], []
         for s, req in enumerate(batch.requests):
             n = int(drafts[s])
@@ -228,11 +253,11 @@ class FusedRound:
     @staticmethod
     def collect(pending: tuple, num_rows: int, want_logprobs: bool) -> tuple:
         """Wait for a round and copy its first `num_rows` rows to the host: (accepted, tokens, logprobs, top ids,
-        top logprobs), the last two None without logprobs."""
-        out = pending[0]
-        if want_logprobs:
-            return tuple(np.asarray(x)[:num_rows] for x in jax.device_get(out))
-        return (*(np.asarray(x)[:num_rows] for x in jax.device_get(out[:3])), None, None)
+        top logprobs, drafts each sequence verified), top ids and logprobs None without logprobs."""
+        out, carry = pending
+        rows, verified = jax.device_get((out if want_logprobs else out[:3], carry[3]))
+        rows = tuple(np.asarray(x)[:num_rows] for x in rows)
+        return (*rows, *((None, None) if not want_logprobs else ()), np.asarray(verified))
 
     def warmup(self) -> None:
         """Compile (and run once, on no sequence: every write goes to the trash page) each size and tier."""

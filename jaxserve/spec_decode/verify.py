@@ -33,6 +33,7 @@ class VerifyResult:
     logprobs: np.ndarray  # [R] float32, of `tokens` under the target's unscaled distribution
     top_ids: np.ndarray | None  # [R, K] when logprobs were asked for
     top_logprobs: np.ndarray | None
+    num_drafts: np.ndarray | None = None  # [S] drafts each sequence verified, where the device chose them
 
 
 def _verify_impl(runner: ModelRunner, point_mass: bool, tier: str, param_leaves, hidden_rows,

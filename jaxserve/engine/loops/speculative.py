@@ -85,8 +85,9 @@ class SpeculativeLoop(StepLoop):
                                     engine.max_model_len) if config.method == "draft_model" else None)
         self.verifier = Verifier(engine.runner, k, point_mass=self.ngram is not None,
                                  vocab_size=target_spec.vocab_size)
-        self.round = FusedRound(engine.runner, k, self.draft)
         self.overlap = bool(engine.config.async_scheduling)
+        # only chained rounds (the overlapped loop's) look proposals up on the device
+        self.round = FusedRound(engine.runner, k, self.draft, self.ngram if self.overlap else None)
         self.flight: Flight | None = None
         self.counters = SpecCounters(accepted_per_pos=[0] * k)
 
@@ -135,12 +136,15 @@ class SpeculativeLoop(StepLoop):
         if not eng.runner.policy.overlaps(len(sched.running) * (self.k + 1)):
             return None
         start, compiles = eng.clock(), eng.compile_count()
-        chained = chain_batch(flight.batch, eng.kv_manager, self.k, eng.max_model_len, self.ngram)
+        runner = eng.runner
+        chained = chain_batch(flight.batch, eng.kv_manager, self.k, eng.max_model_len,
+                              (runner.max_num_seqs, runner.max_sampled) if self.round.lookup is not None else None)
         if chained is None:
             return None
-        batch, steps = chained
+        batch, steps, lookup = chained
         seeds = [eng.seed_of(req.request_id) for req in batch.requests]
-        inputs = self.round.prepare(batch, seeds, steps, set(sched.requests), link=list(range(batch.num_seqs)))
+        inputs = self.round.prepare(batch, seeds, steps, set(sched.requests), link=list(range(batch.num_seqs)),
+                                    lookup=lookup)
         pending = self.round.dispatch(inputs, carry=flight.pending[1])
         self.counters.num_chained += 1
         return Flight(batch, pending, inputs.sampling.want_logprobs, start, compiles)
@@ -212,8 +216,9 @@ class SpeculativeLoop(StepLoop):
         outputs = []
         row = 0
         for s, req in enumerate(batch.requests):
-            n = int(batch.num_drafts[s])
+            n = int(batch.num_drafts[s])  # draft rows; of them the device's lookup may have filled fewer
             first, row = row, row + n + 1
+            drafted = n if result.num_drafts is None else int(result.num_drafts[s])
             req.spec_token_ids = []
             if req.status != RequestStatus.RUNNING:
                 continue
@@ -223,11 +228,11 @@ class SpeculativeLoop(StepLoop):
                 continue
             accepted = int(np.argmin(np.append(result.accepted[first: first + n], False)))
             start = req.num_computed_tokens
-            self._count(n, accepted)
+            self._count(drafted, accepted)
             if self.draft is not None:
                 self.draft.after_verify(req.request_id, start, n, accepted)
-            req.spec_num_steps += int(n > 0)
-            req.spec_num_draft_tokens += n
+            req.spec_num_steps += int(drafted > 0)
+            req.spec_num_draft_tokens += drafted
             req.spec_num_accepted_tokens += accepted
             out = None
             for j in range(accepted + 1):
