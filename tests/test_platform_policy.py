@@ -46,6 +46,7 @@ def test_the_engine_takes_its_loop_and_buckets_from_the_policy(tiny_llm: LLM):
     assert engine.policy.platform == "cpu" and engine.loop.name == "synchronous"
     assert engine.config.async_scheduling is False  # unset: the CPU's default, resolved at start-up
     assert engine.runner.policy is engine.policy and engine.runner.ops is engine.policy.ops
+    assert engine.policy.facts == device_facts()  # read once at start-up; the measurement tools read them here
 
 
 def test_an_explicit_loop_wins_over_the_platforms_default():

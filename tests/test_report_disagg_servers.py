@@ -17,6 +17,7 @@ from jaxserve.measure.report import disagg_servers
 from jaxserve.measure.report.context import Context, ReportConfig
 from jaxserve.measure.report.disagg import markdown, summarize_disagg
 from jaxserve.measure.report.disagg_servers import calibrate_pinned, parse_counters, run_disagg_servers
+from jaxserve.platform.devices import device_facts
 from jaxserve.server.metrics import POOL_COUNTER_DOCS
 from modelspec.spec import load_model_spec
 from planner.disaggregate import pool_balance
@@ -61,7 +62,7 @@ def test_a_role_servers_steps_count_for_its_pool():
 def _context(**overrides) -> Context:
     cfg = replace(ReportConfig.quick_config("tiny"), disagg=(1, 1), **overrides)
     return Context(engine=None, spec=load_model_spec("tiny"), hw=load_hardware("cpu"), dtype="fp32", cfg=cfg,
-                   log=lambda _: None)
+                   facts=device_facts(), log=lambda _: None)
 
 
 def _gone(pid: int) -> bool:

@@ -55,8 +55,8 @@ def report_command(model: str, dtype: str, quantization: str | None, kv_cache_dt
                    disagg_only: bool, speculative_config: str | None) -> None:
     """Measured vs predicted: calibrate, grid, two loads, chunked prefill (+ --disagg); DIR/report.*."""
     from jaxserve.measure.report.context import ReportConfig, fmt
-    from jaxserve.measure.report.disagg import provide_devices
     from jaxserve.measure.report.run import run_report
+    from jaxserve.platform.devices import provide_devices
 
     if (disagg_in_process or disagg_only) and not disagg:
         raise click.UsageError("--disagg-in-process and --disagg-only go with --disagg P+D")

@@ -1,12 +1,14 @@
 """Facts about the devices that only the platform layer reads: whether a device is a CPU, how much memory it has.
 
-The engine's choices go through `policy.PlatformPolicy`; what sizes memory and the measurement tools (which
-describe and price a CPU differently from an accelerator) read `DeviceFacts`, looked at once, so no file outside
-this package asks which platform it runs on.
+The engine's choices go through `policy.PlatformPolicy`, which holds the `DeviceFacts` it read at start-up; the
+measurement tools (which describe and price a CPU differently from an accelerator) read them there. The one other
+reader is start-up before any engine: `provide_devices`, which makes a disaggregated report's devices visible.
+No file outside this package asks which platform it runs on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,3 +55,31 @@ def host_memory_bytes() -> float:
 def device_description(device: jax.Device) -> tuple[str, str]:
     """(platform, device kind) of a device, for names and logs."""
     return device.platform, str(getattr(device, "device_kind", device.platform))
+
+
+def usable_cores() -> list[int]:
+    """The cores this process may run on, in order."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def provide_devices(p: int, d: int) -> str:
+    """Make P + D devices visible before JAX starts (`--disagg P+D`); returns the platform. ValueError if they
+    cannot be.
+
+    On CPU this asks JAX for P + D CPU devices (`jax_num_cpu_devices`, read only by the CPU platform, so it
+    changes nothing on an accelerator; once JAX has started, the devices it has are used). Fake CPU devices
+    beyond the cores would time-share them, which a speed measurement cannot use, so on CPU P + D must not
+    exceed the cores this process may run on (nor may the servers' pinned cores, measured as processes).
+    """
+    n = p + d
+    with contextlib.suppress(RuntimeError):  # raised once the backend has started (e.g. in a test process)
+        jax.config.update("jax_num_cpu_devices", max(n, jax.config.jax_num_cpu_devices))
+    devices = jax.devices()
+    if len(devices) < n:
+        raise ValueError(f"--disagg {p}+{d} needs {n} devices; {len(devices)} visible")
+    facts = device_facts(devices)
+    cores = len(usable_cores())
+    if facts.cpu and n > cores:
+        raise ValueError(f"--disagg {p}+{d} needs {n} CPU devices but this machine has {cores} cores "
+                         "(fake devices beyond the cores would only share them)")
+    return facts.platform

@@ -40,6 +40,7 @@ from jaxserve.model.attention.sharded import ShardedAttention
 from jaxserve.model.ops import XLA_MATMULS, MatmulRoute, ModelOps
 from jaxserve.platform import gpu_attention_choice, gpu_matmul_choice, kernel_choice
 from jaxserve.platform.attention_choice import GPU_PLATFORMS, select_backend
+from jaxserve.platform.devices import DeviceFacts, device_facts
 
 log = logging.getLogger("jaxserve")
 
@@ -69,6 +70,7 @@ class PlatformPolicy:
     async_by_default: bool = False  # the loop when `--async-scheduling` is not given
     min_token_bucket: int = 1  # steps pad to at least this many tokens
     decode_run_exits_early: bool = False  # a k-step decode run stops once every sequence has stopped
+    facts: DeviceFacts | None = None  # the devices as start-up read them (the measurement tools' kind, memory)
 
     @property
     def is_cpu(self) -> bool:
@@ -104,14 +106,14 @@ class PlatformPolicy:
                 f"sampler cut by {self.sampler_cut}; default loop {loop}{pad}")
 
 
-def platform_of(devices: Sequence[jax.Device]) -> str:
-    """The platform name of a set of devices ("cpu", "gpu", "tpu")."""
-    return next(iter(devices)).platform
-
-
 def default_dtype(platform: str) -> jnp.dtype:
     """What `--dtype auto` means on `platform`: float32 on a CPU (XLA's bf16 there is slow), bfloat16 elsewhere."""
     return jnp.dtype(jnp.float32 if platform == "cpu" else jnp.bfloat16)
+
+
+def default_dtype_of(devices: Sequence[jax.Device]) -> jnp.dtype:
+    """What `--dtype auto` means on `devices` (read at start-up, before the model is built)."""
+    return default_dtype(device_facts(devices).platform)
 
 
 def default_platform() -> str:
@@ -130,8 +132,9 @@ def choose_policy(model: Any, kv_caches: Any, *, attention_backend: str = "auto"
     run here."""
     sharding = kv_caches[0][0].sharding
     devices = sharding.device_set
-    platform = platform_of(devices)
-    cpu = platform == "cpu"
+    facts = device_facts(devices)
+    platform = facts.platform
+    cpu = facts.cpu
     one_device = len(devices) == 1
     kernels = cpu_kernels and one_device  # XLA cannot split the CPU kernels' custom calls over a mesh
     k0 = kv_caches[0][0]
@@ -150,7 +153,7 @@ def choose_policy(model: Any, kv_caches: Any, *, attention_backend: str = "auto"
             attention = _tuned_prefill(attention, model, k0, max(token_buckets), device)
         route = MatmulRoute(matvec_rows=gpu_matmul_choice.choose(model, token_buckets, device) if one_device
                             else frozenset(), fp8_activations=gpu_matmul_choice.fp8_tensor_cores(device))
-    return policy_for(platform, attention, route, mesh)
+    return dataclasses.replace(policy_for(platform, attention, route, mesh), facts=facts)
 
 
 def _tuned_prefill(attention: SplitKvAttention, model: Any, k0: Any, num_tokens: int,

@@ -26,8 +26,8 @@ from jaxserve.model.dtypes import resolve_dtype
 from jaxserve.model.llama import KVCaches, kv_pool_layout
 from jaxserve.model.quantize_model import quantize_model
 from jaxserve.model.synthetic import synthetic_model
-from jaxserve.platform.devices import device_facts, memory_limit
-from jaxserve.platform.policy import default_dtype
+from jaxserve.platform.devices import memory_limit
+from jaxserve.platform.policy import default_dtype_of
 from jaxserve.runner.parallel import (
     AXIS,
     effective_spec,
@@ -137,7 +137,7 @@ def build_model_and_cache(config: EngineConfig, spec: ModelSpec) -> BuiltModel:
     run_spec = effective_spec(spec, tp)
     devices = select_devices(tp, config.device_ids)
     mesh = make_mesh(devices)
-    dtype = default_dtype(device_facts(devices).platform) if config.dtype == "auto" else resolve_dtype(config.dtype)
+    dtype = default_dtype_of(devices) if config.dtype == "auto" else resolve_dtype(config.dtype)
     dtype_name = _DTYPE_NAMES[jnp.dtype(dtype)]
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     if not local:

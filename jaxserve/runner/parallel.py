@@ -27,7 +27,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.model.weights import partition_spec
-from jaxserve.platform.devices import device_description
 from modelspec.spec import ModelSpec
 
 AXIS = "tp"
@@ -70,7 +69,7 @@ def select_devices(tp: int, device_ids: Sequence[int] = ()) -> list[jax.Device]:
         raise ValueError(f"{len(ids)} device ids given for tensor_parallel_size {tp}")
     if max(ids) >= len(devices) or min(ids) < 0:
         raise ValueError(f"device ids {ids} need {max(ids) + 1} devices; {len(devices)} visible "
-                         f"({device_description(devices[0])[0]})")
+                         f"({devices[0]}, ...)")
     return [devices[i] for i in ids]
 
 

@@ -163,7 +163,7 @@ def _calibrate(engine, cfg: CalibrationConfig, progress: Progress | None, seed: 
     gemm = measure_gemm_rows(cfg.gemm_rows, spec.hidden_size, 2 * spec.intermediate_size, engine.dtype,
                              route=engine.runner.ops.matmul,
                              weight=weights[0] if engine.config.quantization else None)
-    hw, device = local_hardware(bw, peak, planner_dtype(engine.dtype), weight_dtype=dtype)
+    hw, device = local_hardware(engine.policy.facts, bw, peak, planner_dtype(engine.dtype), weight_dtype=dtype)
     ids = PromptSource(engine, seed)
     budget = min(engine.config.max_num_batched_tokens, engine.config.chunk_size)
     samples: list[StepSample] = []

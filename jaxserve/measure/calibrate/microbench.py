@@ -15,7 +15,7 @@ import numpy as np
 from jaxserve.model.llama import linear
 from jaxserve.model.ops import XLA_MATMULS, MatmulRoute
 from jaxserve.model.quantize import QuantizedWeight
-from jaxserve.platform.devices import device_facts
+from jaxserve.platform.devices import DeviceFacts
 from planner.hardware import CATALOG, GIGA, Hardware
 
 
@@ -115,10 +115,11 @@ def engine_mlp_weights(engine) -> list[Any]:
     return [jnp.full(shape, 1e-3 * (i + 1), engine.dtype) for i in range(spec.num_layers)]
 
 
-def local_hardware(memory_bw: float, peak: float, dtype: str, weight_dtype: str | None = None) -> tuple[Hardware, str]:
-    """A `Hardware` for the local device with measured peak (`dtype`'s GEMM) and bandwidth; links from the catalog
-    if known. `weight_dtype` (int8, fp8 weights computed in `dtype`) gets the same peak."""
-    facts = device_facts()
+def local_hardware(facts: DeviceFacts, memory_bw: float, peak: float, dtype: str,
+                   weight_dtype: str | None = None) -> tuple[Hardware, str]:
+    """A `Hardware` for the local device (`facts`: as the engine's policy read them) with measured peak (`dtype`'s
+    GEMM) and bandwidth; links from the catalog if known. `weight_dtype` (int8, fp8 weights computed in `dtype`) gets
+    the same peak."""
     platform, kind = facts.platform, facts.kind
     base = CATALOG["cpu"]
     for name, hw in CATALOG.items():

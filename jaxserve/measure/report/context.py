@@ -90,6 +90,11 @@ class Context:
     salt: int = 0
     kv_dtype: str | None = None  # None: `dtype`
     pool_hw: Any = None  # the disaggregated pools' profile (calibrated on one pool's cores), None: `hw`
+    facts: Any = None  # DeviceFacts, as the engine's policy read them at start-up (default: the engine's)
+
+    def __post_init__(self) -> None:
+        if self.facts is None and self.engine is not None:
+            self.facts = self.engine.policy.facts
 
     @property
     def dtypes(self) -> dict[str, str | None]:

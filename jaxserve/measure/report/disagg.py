@@ -21,18 +21,14 @@ This module holds what both ways share: the flag, the rows, the summary and the 
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import click
-import jax
 
 from jaxserve.engine.pool_stats import pool_rates
 from jaxserve.measure.report.context import error_pct, fmt, fmt_pct
-from jaxserve.platform.devices import device_facts
 from planner.disaggregate import pool_balance
 
 QUANTITIES = (("prefill_capacity", "req/s"), ("decode_capacity", "req/s"), ("balance", "prefill/decode"),
@@ -56,33 +52,6 @@ def pools_option(ctx: Any, param: Any, value: str | None) -> tuple[int, int] | N
         return None if value is None else parse_pools(value)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
-
-
-def usable_cores() -> list[int]:
-    """The cores this process may run on, in order."""
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-
-
-def provide_devices(p: int, d: int) -> str:
-    """Make P + D devices visible before JAX starts; returns the platform. ValueError if they cannot be.
-
-    On CPU this asks JAX for P + D CPU devices (`jax_num_cpu_devices`, read only by the CPU platform, so it
-    changes nothing on an accelerator; once JAX has started, the devices it has are used). Fake CPU devices
-    beyond the cores would time-share them, which a speed measurement cannot use, so on CPU P + D must not
-    exceed the cores this process may run on (nor may the servers' pinned cores, measured as processes).
-    """
-    n = p + d
-    with contextlib.suppress(RuntimeError):  # raised once the backend has started (e.g. in a test process)
-        jax.config.update("jax_num_cpu_devices", max(n, jax.config.jax_num_cpu_devices))
-    devices = jax.devices()
-    if len(devices) < n:
-        raise ValueError(f"--disagg {p}+{d} needs {n} devices; {len(devices)} visible")
-    facts = device_facts(devices)
-    cores = len(usable_cores())
-    if facts.cpu and n > cores:
-        raise ValueError(f"--disagg {p}+{d} needs {n} CPU devices but this machine has {cores} cores "
-                         "(fake devices beyond the cores would only share them)")
-    return facts.platform
 
 
 @dataclass
@@ -116,7 +85,7 @@ def pool_rows(ctx, run: PoolRun) -> list[dict[str, Any]]:
     meas_p = rates["prefill_prompts_per_busy_s"]
     meas_d = rates["decode_tokens_per_busy_s"] / (n_out - 1) if rates["decode_tokens_per_busy_s"] else None
     busy = {pool: c[f"{pool}_busy_seconds"] for pool in ("prefill", "decode")}
-    facts = device_facts()
+    facts = ctx.facts
     config = {"pools": f"{p}+{d}", "prefill_devices": p, "decode_devices": d, "input_len": n_in,
               "output_len": n_out, "num_prompts": cfg.disagg_num_prompts, "max_num_seqs": cfg.disagg_max_num_seqs,
               "platform": facts.platform, "device_kind": facts.kind, "cpu": facts.cpu,

@@ -33,7 +33,8 @@ from jaxserve.measure.bench.datasets import DatasetConfig, generate
 from jaxserve.measure.bench.http_client import run_http
 from jaxserve.measure.bench.load import LoadConfig
 from jaxserve.measure.report.context import avoid_tokens
-from jaxserve.measure.report.disagg import PoolRun, pool_rows, usable_cores
+from jaxserve.measure.report.disagg import PoolRun, pool_rows
+from jaxserve.platform.devices import usable_cores
 
 METRIC_PREFIX = "jaxserve:"
 KV_COUNTERS = ("kv_imports", "kv_import_bytes", "kv_pull_seconds", "kv_insert_seconds")

@@ -26,7 +26,6 @@ from jaxserve.measure.calibrate.calibrate import CalibrationConfig, calibrate, p
 from jaxserve.measure.calibrate.steps import PromptSource, warm_engine
 from jaxserve.measure.report.chunked import run_chunked
 from jaxserve.measure.report.context import Context, Log, ReportConfig
-from jaxserve.measure.report.disagg import usable_cores
 from jaxserve.measure.report.disagg_engine import run_disagg_engine
 from jaxserve.measure.report.disagg_servers import calibrate_pinned, run_disagg_servers
 from jaxserve.measure.report.grid import run_grid
@@ -35,7 +34,7 @@ from jaxserve.measure.report.probe import drift, drift_note, probe
 from jaxserve.measure.report.render import write_markdown, write_plot
 from jaxserve.measure.report.speculative import run_speculative
 from jaxserve.measure.report.summary import check_context, summarize
-from jaxserve.platform.devices import device_facts
+from jaxserve.platform.devices import usable_cores
 from planner.hardware import load_hardware
 
 
@@ -50,7 +49,7 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
         f"{engine.runner.token_buckets})")
     calibration = None
     dtype, kv_dtype = planner_dtypes(engine)
-    processes = bool(cfg.disagg) and device_facts().cpu and not cfg.disagg_in_process  # pinned servers
+    processes = bool(cfg.disagg) and engine.policy.is_cpu and not cfg.disagg_in_process  # pinned servers
     pool_profile = None
     if processes and not profile:  # the pools' servers run on P cores each: price them from a profile of P cores
         pool_profile = str(calibrate_pinned(cfg, usable_cores()[:cfg.disagg[0]], out / "pool-profile.json", log))
