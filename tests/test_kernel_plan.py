@@ -8,6 +8,7 @@ import json
 import logging
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -151,3 +152,31 @@ def test_the_int8_kernel_gives_the_same_product_on_one_thread_as_on_all():
         expected = (np.asarray(x) @ np.asarray(q, np.float32)) * np.asarray(scale)
         np.testing.assert_allclose(np.asarray(one), expected, rtol=1e-4, atol=1e-3)
         np.testing.assert_allclose(np.asarray(every), expected, rtol=1e-4, atol=1e-3)
+
+
+def test_the_plans_matmuls_are_timed_one_after_another_as_a_step_runs_them():
+    # independent dots could run side by side in XLA's CPU runtime; a step's never do
+    ws = [jnp.full((4, 8), 0.5), jnp.full((4, 4), 0.25), jnp.full((8, 4), 2.0)]
+    xs = {4: jnp.ones((3, 4)), 8: jnp.ones((3, 8))}
+    run = kernel_choice._in_sequence(lambda x, w: x @ w)
+    for got, w in zip(run(xs, ws), ws, strict=True):  # the chaining changes no value
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(xs[w.shape[0]] @ w))
+    eqns = jax.make_jaxpr(run)(xs, ws).jaxpr.eqns
+    dots = [e for e in eqns if e.primitive.name == "dot_general"]
+    producer = {v: e for e in eqns for v in e.outvars}
+
+    def depends_on(var, eqn) -> bool:  # whether `var` is computed from `eqn`'s output
+        seen, todo = set(), [var]
+        while todo:
+            e = producer.get(todo.pop())
+            if e is None or id(e) in seen:
+                continue
+            if e is eqn:
+                return True
+            seen.add(id(e))
+            todo += [v for v in e.invars if not isinstance(v, jax.extend.core.Literal)]
+        return False
+
+    assert len(dots) == 3
+    assert all(depends_on(later.invars[0], earlier) for earlier, later in zip(dots, dots[1:]))
+    assert not depends_on(dots[0].invars[0], dots[1])

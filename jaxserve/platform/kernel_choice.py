@@ -4,7 +4,7 @@
 For every row count the engine runs up to `cpu_matmul.MAX_ROWS` (its token buckets for the projections, its
 sequence buckets for the LM head), the model's own matrices (every layer's, so that they come from memory as in a
 step) are timed through the kernel and through XLA alternately; the kernel keeps a row count only where its
-median is the lower. The timings are cached beside the kernel library (`<library>.plan.json`: keyed like it by
+least time is the lower. The timings are cached beside the kernel library (`<library>.plan.json`: keyed like it by
 the sources, flags, compiler, jaxlib and CPU), per model shape and thread count, so later starts only read them.
 """
 
@@ -45,7 +45,11 @@ NO_KERNEL = KernelPlan("", frozenset(), frozenset())  # a plan that gives every 
 CPU_XLA_ROUTE = MatmulRoute(transposed_rows=(2, 16), step_order_converts=True, moe_tiles_in_use=True)
 # jaxserve's C++ matmuls wherever they take the shapes, XLA's CPU path elsewhere.
 CPU_KERNEL_ROUTE = dataclasses.replace(CPU_XLA_ROUTE, cpu_kernel=True)
-REPEATS = 5  # alternating rounds of the two paths per row count; each keeps its median
+# How the timings were taken, in the cache's key: timings taken otherwise are measured again.
+TIMING = "in sequence, best of 15"
+# Alternating rounds of the two paths per row count; each keeps its least time: a busy machine only adds time, and
+# with 5 rounds' medians a busy minute gave bard's one-row projections to XLA, slower in a step (docs/tuning.md).
+REPEATS = 15
 
 
 def model_matrices(model: Any) -> tuple[list[jax.Array], jax.Array, bool]:
@@ -72,13 +76,13 @@ def signature(weights: Sequence[jax.Array], head: jax.Array, tied: bool, experts
     codes = sorted({str(w.dtype) for w in weights if isinstance(w, QuantizedWeight)})
     quantized = "".join(f" {c}" for c in codes)  # float plans keep their key
     return (f"{_threads()} threads {head.dtype}{quantized} " + " ".join(f"{s}*{n}" for s, n in sorted(shapes.items()))
-            + f" head {'x'.join(map(str, head.shape))}{' tied' if tied else ''}")
+            + f" head {'x'.join(map(str, head.shape))}{' tied' if tied else ''} {TIMING}")
 
 
 def time_pair(kernel: Callable[..., Any], xla: Callable[..., Any], args: tuple,
               repeats: int = REPEATS) -> list[float]:
-    """Median seconds of kernel(*args) and of xla(*args), after one call each (the compile), alternating so that
-    both see the same state of the machine."""
+    """The least seconds of kernel(*args) and of xla(*args) over `repeats` rounds, after one call each (the
+    compile), alternating so that both see the same states of the machine."""
     times: tuple[list[float], list[float]] = ([], [])
     for f in (kernel, xla):
         jax.block_until_ready(f(*args))
@@ -87,7 +91,7 @@ def time_pair(kernel: Callable[..., Any], xla: Callable[..., Any], args: tuple,
             t = time.perf_counter()
             jax.block_until_ready(f(*args))
             ts.append(time.perf_counter() - t)
-    return [float(np.median(ts)) for ts in times]
+    return [float(min(ts)) for ts in times]
 
 
 def _supports(x: jax.ShapeDtypeStruct, w: jax.Array | QuantizedWeight) -> bool:
@@ -95,13 +99,32 @@ def _supports(x: jax.ShapeDtypeStruct, w: jax.Array | QuantizedWeight) -> bool:
     return cpu_matmul_int8.supports(x, w.q) if isinstance(w, QuantizedWeight) else cpu_matmul.supports(x, w)
 
 
+def _in_sequence(matmul: Callable[[jax.Array, Any], jax.Array]) -> Callable[..., list[jax.Array]]:
+    """`matmul(xs[w's input width], w)` for every w, each waiting for the one before (its input takes a zero-scaled
+    element of the last output), as a step's matmuls run: independent, XLA's CPU runtime would run several side by
+    side, which no step does and which flattered XLA's dots at 4-8 rows (docs/tuning.md, "The kernel plan")."""
+    def run(xs: dict[int, jax.Array], ws: Sequence[Any]) -> list[jax.Array]:
+        outs, after = [], None
+        for w in ws:
+            x = xs[_input_width(w)]
+            y = matmul(x if after is None else x + after.astype(x.dtype), w)
+            after = y[0, 0] * 0.0  # a float product by zero: XLA does not fold it away
+            outs.append(y)
+        return outs
+    return run
+
+
+def _input_width(w: Any) -> int:
+    return w.q.shape[0] if isinstance(w, QuantizedWeight) else w.shape[0]
+
+
 def _measure_matmuls(weights: list[jax.Array], rows: Sequence[int], repeats: int,
                      dtype: jnp.dtype = jnp.float32) -> dict[str, list[float]]:
-    """[kernel, XLA] seconds per row count for all of `weights`, each as `linear` runs it."""
+    """[kernel, XLA] seconds per row count for all of `weights` one after another, each as `linear` runs it."""
     # XLA's side as the engine runs it where the plan declines the kernel
-    kernel, xla = (jax.jit(lambda xs, ws, r=r: [linear(xs[w.shape[0]], w, r) for w in ws])
+    kernel, xla = (jax.jit(_in_sequence(lambda x, w, r=r: linear(x, w, r)))
                    for r in (CPU_KERNEL_ROUTE, dataclasses.replace(CPU_KERNEL_ROUTE, plan=NO_KERNEL)))
-    inputs = {w.shape[0] for w in weights}
+    inputs = {_input_width(w) for w in weights}
     return {str(r): time_pair(kernel, xla, ({n: jnp.ones((r, n), dtype) for n in inputs}, weights),
                               repeats) for r in rows}
 
@@ -136,10 +159,11 @@ def _measure_moe(layers: list[MoE], rows: Sequence[int], repeats: int,
 
 def _measure_int8_threads(weights: list[Any], rows: Sequence[int], repeats: int,
                           dtype: jnp.dtype = jnp.float32) -> dict[str, list[float]]:
-    """[one thread, all threads] seconds per row count of every int8 matrix through the int8 kernel."""
-    one, every = (jax.jit(lambda xs, ws, t=t: [cpu_matmul_int8.cpu_matmul_int8(xs[w.q.shape[0]], w.q, w.scale, t)
-                                               for w in ws]) for t in (1, 0))
-    inputs = {w.q.shape[0] for w in weights}
+    """[one thread, all threads] seconds per row count of every int8 matrix through the int8 kernel, one after
+    another."""
+    one, every = (jax.jit(_in_sequence(lambda x, w, t=t: cpu_matmul_int8.cpu_matmul_int8(x, w.q, w.scale, t)))
+                  for t in (1, 0))
+    inputs = {_input_width(w) for w in weights}
     return {str(r): time_pair(one, every, ({n: jnp.ones((r, n), dtype) for n in inputs}, weights), repeats)
             for r in rows}
 
