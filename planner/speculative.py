@@ -11,13 +11,16 @@ where the verify step is the roofline step model's step with k + 1 rows per sequ
 weights once for all rows, so on a bandwidth-bound device it costs little more than a decode step), and the
 proposer is ~0 for n-gram lookup (host work, whose proposals go up with the verify step's inputs) or, for a draft
 model, its own k steps: one forward over the sequences' newest tokens, then k - 1 decode iterations, each with its
-LM head and sampling. They are priced as --num-scheduler-steps prices k decode steps in one dispatch: one
-`dispatch_overhead_s` for the k, the rest of each step's costs k times (each step less the dispatch's host work, at
-most its fitted fixed overhead where a profile's fit left less there than the dispatch measured). A round of
-decodes now runs the draft's steps and the verify step in one jitted call (jaxserve/spec_decode/round.py), yet the
-round keeps that dispatch in its price: on the 2-core EPYC the one call saved far less than a calibrated dispatch
-(docs/speculative.md: the report's row -30.9% priced without it, -11.6% with it, the same run). The verify step runs
-its k + 1 rows a sequence unpadded (the round is compiled per sequence bucket).
+LM head and sampling.
+
+A round of decodes is one dispatch (jaxserve/spec_decode/round.py: the draft's steps, the target's verify forward
+and the acceptance in one jitted call), so it pays one step's fixed overhead (`step_overhead_s`, the host's
+scheduling and dispatch among it), the verify step's: each draft step is priced as its step less that overhead
+(its layers' and its sequences' overheads stay: they run on the device). The verify step runs its k + 1 rows a
+sequence unpadded (the round is compiled per sequence bucket). Its LM head reads the embedding once for all rows:
+the S sequences' rows are priced as a decode step's LM head (whose fitted rate, on a CPU profile, also holds what
+each decode sequence costs beside its row: the fit cannot tell them apart), the S k draft rows as GEMM rows of
+the projections' rate. docs/speculative.md ("Pricing the round") has the measurements behind both choices.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ from planner.step_model import (
 )
 
 METHODS = ("ngram", "draft_model")
+# A verify step's LM head over its draft rows: the embedding is already read for the sequences' rows (LM_HEAD), so
+# these are GEMM rows only, priced at the projections' rate rather than the LM head's (see the module docstring).
+DRAFT_ROWS_HEAD = "lm_head_draft_rows"
 
 
 def expected_tokens_per_step(acceptance: float, k: int) -> float:
@@ -74,17 +80,21 @@ def verify_shape(batch: int, context_len: float, k: int) -> StepShape:
 
 def verify_step_s(spec: ModelSpec, hw: Hardware, batch: int, context_len: float, k: int, *, tp: int = 1,
                   dtype: str = "bf16", kv_dtype: str | None = None, token_buckets: Sequence[int] = ()) -> float:
-    """Seconds of one verify step: the step model of `verify_shape`, with the LM head and the sampler over every
-    row (batch x (k + 1)) instead of one per sequence, unpadded but to the smallest of `token_buckets`."""
+    """Seconds of one verify step (a round's one dispatch): the step model of `verify_shape`, unpadded but to the
+    smallest of `token_buckets`; its LM head and sampler draw from every row (batch x (k + 1)): the batch's rows
+    at the LM head's price, the batch x k draft rows at a GEMM's (`DRAFT_ROWS_HEAD`)."""
     shape = verify_shape(batch, context_len, k)
-    rows = batch * (k + 1)
+    extra = batch * k  # the draft rows, beyond one a sequence
     padded = max(shape.num_tokens, min(token_buckets, default=1))  # a round's rows, not a forward's bucket
     ops = []
     for op in op_costs(spec, shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype, padded_tokens=padded):
-        if op.name in (LM_HEAD, "sampling"):
-            f = rows / max(shape.num_seqs, 1)
-            op = replace(op, flops=op.flops * f, act_bytes=op.act_bytes * f, comm_bytes=op.comm_bytes * f,
-                         gemm_rows=op.gemm_rows * f if op.gemm_rows else 0)
+        per_row = 1 / max(shape.num_seqs, 1)
+        if op.name == LM_HEAD:
+            ops.append(replace(op, name=DRAFT_ROWS_HEAD, flops=op.flops * extra * per_row, weight_bytes=0.0,
+                               act_bytes=op.act_bytes * extra * per_row, comm_bytes=op.comm_bytes * extra * per_row,
+                               gemm_rows=shape.num_seqs + extra))
+        elif op.name == "sampling":
+            op = replace(op, flops=op.flops * (1 + extra * per_row), act_bytes=op.act_bytes * (1 + extra * per_row))
         ops.append(op)
     return time_ops(ops, spec, shape, hw, tp=tp, dtype=dtype, padded_tokens=padded).total_s
 
@@ -92,22 +102,21 @@ def verify_step_s(spec: ModelSpec, hw: Hardware, batch: int, context_len: float,
 def proposer_s(method: str, hw: Hardware, batch: int, context_len: float, k: int, *,
                draft: ModelSpec | None = None, tp: int = 1, dtype: str = "bf16", kv_dtype: str | None = None,
                token_buckets: Sequence[int] = ()) -> float:
-    """Seconds the proposer spends per verify step: 0 for n-gram lookup (host work, beside the step's own), k
-    draft-model decode steps of `batch` sequences in one dispatch for a draft model."""
+    """Seconds the proposer adds to a round: 0 for n-gram lookup (host work, beside the step's own); for a draft
+    model, its k decode steps of `batch` sequences, each less the step's fixed overhead (the round's one dispatch
+    pays it, in the verify step)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     if method == "ngram":
         return 0.0
     if draft is None:
         raise ValueError("a draft_model proposer needs the draft model's spec")
-    host = max(hw.coefficients.dispatch_overhead_s, 0.0)
+    fixed = max(hw.coefficients.step_overhead_s, 0.0)
     kw = dict(tp=tp, dtype=dtype, kv_dtype=kv_dtype, padded_tokens=pad_tokens(batch, token_buckets))
-    total = host  # the host prepares and collects the k steps once
+    total = 0.0
     for i in range(k):
-        alone = step_time_shape(draft, hw, decode_shape(batch, context_len + i), **kw)
-        # Each step's own work: the step less its share of a dispatch's host work, which lives in its fitted fixed
-        # overhead (a fit can leave less there than the dispatch measured: then that much is taken).
-        total += alone.total_s - min(host, max(alone.overhead_s, 0.0))
+        step = step_time_shape(draft, hw, decode_shape(batch, context_len + i), **kw)
+        total += step.total_s - min(fixed, max(step.overhead_s, 0.0))
     return total
 
 

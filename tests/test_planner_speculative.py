@@ -41,24 +41,36 @@ def test_a_verify_step_costs_little_more_than_a_decode_step_when_weights_bind():
 def test_proposer_costs():
     assert proposer_s("ngram", HW, 1, 512, 4) == 0.0
     one = step_time_shape(DRAFT, HW, decode_shape(1, 512)).total_s
-    assert proposer_s("draft_model", HW, 1, 512, 4, draft=DRAFT) == pytest.approx(4 * one, rel=0.01)
+    fixed = HW.coefficients.step_overhead_s
+    assert proposer_s("draft_model", HW, 1, 512, 4, draft=DRAFT) == pytest.approx(4 * (one - fixed), rel=0.01)
     with pytest.raises(ValueError, match="draft model's spec"):
         proposer_s("draft_model", HW, 1, 512, 4)
 
 
-def test_the_draft_model_pays_one_dispatch_for_its_k_steps():
-    # its k steps run in one jitted call: k - 1 of the host's per-dispatch seconds are saved, as with
-    # --num-scheduler-steps k
-    hw = HW.with_coefficients(dispatch_overhead_s=200e-6)
+def test_the_draft_steps_ride_the_rounds_one_dispatch():
+    # the draft's k steps run inside the round's jitted call: none pays a step's fixed overhead (the verify step
+    # pays the round's), each keeps its layers' and its sequences' overheads, and no dispatch is added
+    hw = HW.with_coefficients(step_overhead_s=300e-6, dispatch_overhead_s=200e-6, layer_overhead_s=10e-6,
+                              seq_overhead_s=50e-6)
     steps = [step_time_shape(DRAFT, hw, decode_shape(1, 512 + i)).total_s for i in range(4)]
-    assert proposer_s("draft_model", hw, 1, 512, 4, draft=DRAFT) == pytest.approx(sum(steps) - 3 * 200e-6)
-    # a profile whose fitted step overhead is below its measured dispatch: a step gives up at most its own fixed
-    # overhead, and the round still pays the one dispatch it makes in full
-    odd = HW.with_coefficients(step_overhead_s=0.0, seq_overhead_s=100e-6, layer_overhead_s=0.0,
-                               dispatch_overhead_s=700e-6)
-    steps = [step_time_shape(DRAFT, odd, decode_shape(1, 512 + i)).total_s for i in range(4)]
-    assert proposer_s("draft_model", odd, 1, 512, 4, draft=DRAFT) == pytest.approx(
-        sum(steps) - 4 * 100e-6 + 700e-6)
+    assert proposer_s("draft_model", hw, 1, 512, 4, draft=DRAFT) == pytest.approx(sum(steps) - 4 * 300e-6)
+    bigger = HW.with_coefficients(step_overhead_s=300e-6, dispatch_overhead_s=5e-3, layer_overhead_s=10e-6,
+                                  seq_overhead_s=50e-6)
+    assert proposer_s("draft_model", bigger, 1, 512, 4, draft=DRAFT) == pytest.approx(
+        proposer_s("draft_model", hw, 1, 512, 4, draft=DRAFT))
+
+
+def test_a_verify_steps_draft_rows_add_gemm_rows_to_the_lm_head_not_sequences():
+    # a CPU-like profile whose LM head rate (fitted on decode steps, one row a sequence) is far below its GEMMs'
+    cpu = load_hardware("h100-sxm").with_coefficients(gemm_small_eff_scale=0.4, head_small_eff_scale=0.05)
+    spec = load_model_spec("bard")
+    one_row = verify_step_s(spec, cpu, 1, 160, 1, dtype="fp32")
+    five_rows = verify_step_s(spec, cpu, 1, 160, 4, dtype="fp32")
+    # what 4 more sequences' LM head rows would cost at the head's rate
+    four_heads = 4 * cpu.coefficients.head_small_eff_scale ** -1 * 2 * spec.hidden_size * spec.vocab_size / (
+        cpu.peak("fp32") * cpu.coefficients.compute_eff)
+    assert five_rows - one_row < 0.5 * four_heads
+    assert five_rows > one_row  # the rows still cost their FLOPs and activations
 
 
 def test_tpot_is_the_step_over_the_tokens_it_emits():

@@ -40,5 +40,8 @@ def test_the_speculative_row_prices_what_the_run_measured():
     plain_steps, verify_steps = row["plain_steps"], row["verify_steps"]
     assert row["predicted_tpot_ms"] == pytest.approx(
         (verify_steps * row["predicted_verify_step_ms"] + plain_steps * row["predicted_plain_tpot_ms"]) / 23)
+    # the round itself beside the TPOT: its median wall time against its price, and a plain step's
+    assert row["predicted_round_ms"] == pytest.approx(row["predicted_verify_step_ms"] + row["predicted_proposer_ms"])
+    assert row["measured_round_ms"] > 0 and row["measured_plain_step_ms"] > 0
     table = markdown({"rows": [row]})
     assert table[0] == "## Speculative decoding (one request)" and "| ngram" in table[4]

@@ -51,7 +51,9 @@ class ReportConfig:
     speculative: str | None = None  # a --speculative-config JSON: run the speculative row (report/speculative.py)
     spec_prompt_len: int = 128
     spec_output_len: int = 64
-    spec_repeats: int = 3
+    # One request's TPOT on a shared VM moves 10-25% from run to run: the row takes the median of this many
+    # alternations (each ~0.1 s for bard).
+    spec_repeats: int = 9
 
     @classmethod
     def quick_config(cls, model: str = "tiny") -> ReportConfig:
