@@ -178,5 +178,5 @@ def test_the_plans_matmuls_are_timed_one_after_another_as_a_step_runs_them():
         return False
 
     assert len(dots) == 3
-    assert all(depends_on(later.invars[0], earlier) for earlier, later in zip(dots, dots[1:]))
+    assert all(depends_on(later.invars[0], earlier) for earlier, later in zip(dots, dots[1:], strict=False))
     assert not depends_on(dots[0].invars[0], dots[1])
