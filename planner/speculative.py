@@ -84,17 +84,15 @@ def verify_step_s(spec: ModelSpec, hw: Hardware, batch: int, context_len: float,
     smallest of `token_buckets`; its LM head and sampler draw from every row (batch x (k + 1)): the batch's rows
     at the LM head's price, the batch x k draft rows at a GEMM's (`DRAFT_ROWS_HEAD`)."""
     shape = verify_shape(batch, context_len, k)
-    extra = batch * k  # the draft rows, beyond one a sequence
     padded = max(shape.num_tokens, min(token_buckets, default=1))  # a round's rows, not a forward's bucket
     ops = []
     for op in op_costs(spec, shape, tp=tp, dtype=dtype, kv_dtype=kv_dtype, padded_tokens=padded):
-        per_row = 1 / max(shape.num_seqs, 1)
+        # op_costs counts the LM head and the sampler once a sequence: the draft rows are k more each
         if op.name == LM_HEAD:
-            ops.append(replace(op, name=DRAFT_ROWS_HEAD, flops=op.flops * extra * per_row, weight_bytes=0.0,
-                               act_bytes=op.act_bytes * extra * per_row, comm_bytes=op.comm_bytes * extra * per_row,
-                               gemm_rows=shape.num_seqs + extra))
+            ops.append(replace(op, name=DRAFT_ROWS_HEAD, flops=op.flops * k, weight_bytes=0.0,
+                               act_bytes=op.act_bytes * k, comm_bytes=op.comm_bytes * k, gemm_rows=batch * (k + 1)))
         elif op.name == "sampling":
-            op = replace(op, flops=op.flops * (1 + extra * per_row), act_bytes=op.act_bytes * (1 + extra * per_row))
+            op = replace(op, flops=op.flops * (k + 1), act_bytes=op.act_bytes * (k + 1))
         ops.append(op)
     return time_ops(ops, spec, shape, hw, tp=tp, dtype=dtype, padded_tokens=padded).total_s
 
