@@ -1,6 +1,7 @@
 """One request's TPOT with speculative decoding against without, alternating in one process.
 
-Three engines of the same target: plain, n-gram lookup, and a draft model (when --draft-model names one). Two
+Engines of the same target: plain, n-gram lookup and a draft model (when --draft-model names one); with
+--async-scheduling also a plain engine and each speculative one on the overlapped loop (up to five). The
 prompts: a passage the answer copies (n-gram's case: with a trained model, "repeat the passage"; with a synthetic
 one, a repeated phrase), an ordinary one (the draft model's case) and, for a model that ships held_out.txt
 (bard), the opening of a held-out passage (text neither model trained on). Each round runs every (engine, prompt) pair
@@ -14,12 +15,17 @@ between rounds this ratio is steadier than a ratio of medians. With --async-sche
 overlapped loop joins too, and each overlapped speculative engine is compared with it (`baseline`), not with the
 synchronous one: the overlap's own gain is not speculation's.
 
+With --time-round N, each speculative engine's fused round (one sequence's bucket) is also timed against the
+target's one-token forward, both on no sequence, alternating N times: what the round's device program costs over
+a plain step's forward.
+
     python scripts/bench_speculative.py --model bard --draft-model bard-draft --k 4 --profile P --out reports/spec.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -28,7 +34,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
 from jaxserve.config.engine import EngineConfig  # noqa: E402
+from jaxserve.core.batch import empty_batch  # noqa: E402
 from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.engine.factory import create_engine  # noqa: E402
 from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
@@ -60,20 +70,48 @@ def prompts(engine: LLMEngine, prompt_len: int) -> dict[str, list[int]]:
 BASELINES = ("plain", "plain-async")
 
 
+def time_round(engine: LLMEngine, repeats: int) -> dict:
+    """A speculative engine's fused round (its smallest sequence bucket) against its one-token forward, both on no
+    sequence (every write to the trash page), alternating: the device program's cost over a forward's, host excluded
+    but for the call itself. Medians in microseconds."""
+    rnd, runner = engine.loop.round, engine.runner
+    inputs = rnd.prepare(dataclasses.replace(empty_batch(), num_drafts=np.zeros(0, np.int32)), [], [], set(),
+                         size=rnd.sizes[0])
+    times: dict[str, list[float]] = {"round": [], "forward": []}
+    calls = {"round": lambda: rnd.dispatch(inputs)[0], "forward": lambda: runner.forward(empty_batch())}
+    for i in range(repeats + 10):
+        for name in (("round", "forward") if i % 2 else ("forward", "round")):
+            t = time.perf_counter()
+            jax.block_until_ready(calls[name]())
+            if i >= 10:  # after warm calls
+                times[name].append(time.perf_counter() - t)
+    got = {f"{name}_us": 1e6 * statistics.median(v) for name, v in times.items()}
+    return {**got, "round_over_forward": got["round_us"] / got["forward_us"], "round_rows": inputs.has_draft.size}
+
+
 def baseline(name: str) -> str:
     """The plain engine a speculative one is compared with: the one with the same host loop."""
     return "plain-async" if name.endswith("-async") else "plain"
 
 
 def one(engine: LLMEngine, ids: list[int], n: int, rid: str) -> dict:
+    """One greedy request of `n` tokens: its TPOT, draft counts, engine steps, chained rounds (overlapped
+    speculation's rounds dispatched behind the one in flight), empty rounds (those that verified no draft) and
+    tokens."""
+    counters = getattr(engine.loop, "counters", None)
+    chained, empty = (counters.num_chained, counters.num_empty) if counters is not None else (0, 0)
     engine.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-    out = None
+    out, steps = None, 0
     while engine.has_unfinished_requests():
+        steps += 1
         for o in engine.step():
             out = o if o.finished else out
     m = out.metrics
     return {"tpot_ms": 1e3 * m.tpot, "drafts": m.spec_num_draft_tokens, "accepted": m.spec_num_accepted_tokens,
-            "verify_steps": m.spec_num_steps, "tokens": len(out.token_ids), "token_ids": list(out.token_ids)}
+            "verify_steps": m.spec_num_steps, "engine_steps": steps,
+            "chained_rounds": (counters.num_chained - chained) if counters is not None else 0,
+            "empty_rounds": (counters.num_empty - empty) if counters is not None else 0,
+            "tokens": len(out.token_ids), "token_ids": list(out.token_ids)}
 
 
 def run_rounds(engines: dict[str, LLMEngine], tasks: dict[str, list[int]], rounds: int, n: int, paired: bool
@@ -119,6 +157,8 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="hardware profile for the planner (jaxserve calibrate)")
     ap.add_argument("--paired", action="store_true",
                     help="pair every speculative run with a plain run of the same prompt; report the median ratio")
+    ap.add_argument("--time-round", type=int, default=0, metavar="N",
+                    help="also time each speculative engine's fused round against its one-token forward, N times")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     base = dict(model=a.model, max_num_seqs=4, max_num_batched_tokens=512, chunk_size=512)
@@ -152,6 +192,10 @@ def main() -> None:
                "tpot_ratio_median_of_pairs": statistics.median(ratios[name, task]) if (name, task) in ratios else None,
                "same_tokens": all(x["token_ids"] == y["token_ids"] for x in rs for y in peers),
                "acceptance_rate": acc / drafts if drafts else None,
+               "engine_steps_per_request": statistics.median(x["engine_steps"] for x in rs),
+               "chained_rounds_per_request": statistics.median(x["chained_rounds"] for x in rs),
+               "empty_rounds_per_request": statistics.median(x["empty_rounds"] for x in rs),
+               "verify_steps_per_request": statistics.median(x["verify_steps"] for x in rs),
                "tokens_per_verify_step": 1 + acc / steps if steps else None}
         if hw is not None and name not in BASELINES and steps:
             e = 1 + acc / steps
@@ -164,9 +208,13 @@ def main() -> None:
                            spec, hw, acceptance=alpha, **kw).k)
         rows.append(row)
         print(json.dumps(row), flush=True)
+    timings = {name: time_round(eng, a.time_round) for name, eng in engines.items()
+               if a.time_round and name not in BASELINES}
+    for name, r in timings.items():
+        print(json.dumps({"round_timing": name, **r}), flush=True)
     result = {"model": a.model, "draft_model": a.draft_model, "k": a.k, "prompt_len": a.prompt_len,
               "output_len": a.output_len, "rounds": a.rounds, "paired": a.paired, "profile": a.profile, "rows": rows,
-              "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+              "round_timing": timings, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(result, indent=2) + "\n")

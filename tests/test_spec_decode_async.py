@@ -125,3 +125,20 @@ def test_chained_rounds_propose_what_a_collected_round_would():
     steps = [(o.metrics.spec_num_steps, o.metrics.spec_num_draft_tokens, o.metrics.spec_num_accepted_tokens)
              for o in (*want, *got)]
     assert steps[2:] == steps[:2]  # rounds, drafts and accepted drafts of each request
+
+
+
+def test_rounds_whose_lookup_found_nothing_are_counted():
+    # where the answer writes tokens its context never held, a chained round verifies nothing: one token for a
+    # round's cost, counted as spec_decode_num_empty_rounds (a synchronous loop runs a plain step there instead)
+    collected, chained = LLM("tiny", **ARGS, speculative_config=NGRAM), _overlapped(NGRAM)
+    prompts = _prompts(1, 100, seed=3)  # its continuation holds a ten-token stretch with no match
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    empty = chained.engine.stats()["spec_decode_num_empty_rounds"]
+    want, got = collected.generate(prompts, params)[0], chained.generate(prompts, params)[0]
+    assert got.token_ids == want.token_ids
+    m = want.metrics
+    plain_steps = len(want.token_ids) - 1 - m.spec_num_accepted_tokens - m.spec_num_steps  # the lookup found nothing
+    assert plain_steps >= 8
+    assert 0 < chained.engine.stats()["spec_decode_num_empty_rounds"] - empty <= plain_steps + 1
+    assert collected.engine.stats()["spec_decode_num_empty_rounds"] == 0  # its rounds all carry the host's drafts

@@ -44,11 +44,12 @@ class SpecCounters:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [k]: drafts accepted at each position
     num_chained: int = 0  # rounds dispatched while the round before them was still in flight
+    num_empty: int = 0  # rounds whose device lookup found a draft for no sequence (one token each, a round's cost)
 
     def as_stats(self) -> dict[str, float]:
         out = {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": self.num_draft_tokens,
                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
-               "spec_decode_num_chained_rounds": self.num_chained}
+               "spec_decode_num_chained_rounds": self.num_chained, "spec_decode_num_empty_rounds": self.num_empty}
         out.update({f"spec_decode_num_accepted_tokens_pos{i}": n for i, n in enumerate(self.accepted_per_pos)})
         return out
 
@@ -155,6 +156,7 @@ class SpeculativeLoop(StepLoop):
         eng = self.engine
         result = VerifyResult(*self.round.collect(flight.pending, len(flight.batch.logits_indices),
                                                   flight.want_logprobs))
+        self.counters.num_empty += result.num_drafts is not None and not result.num_drafts.any()
         outputs = self._commit(flight.batch, result, trim)
         eng.record_step(flight.batch, flight.start, eng.compile_count() > flight.compiles)
         return outputs
