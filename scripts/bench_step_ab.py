@@ -3,6 +3,7 @@
     python scripts/bench_step_ab.py --base eba4aed~1 --batch 1 --modes sync,async
     python scripts/bench_step_ab.py --base eba4aed~1 --batch 16 --modes sync
     python scripts/bench_step_ab.py --base 2c28345 --batch 1 --modes sync,async --kernel-every-row
+    python scripts/bench_step_ab.py --row-parts --batch 1 --modes sync,async
 
 `--base REV`'s `matmul.cc` (with its headers, from `git show`) is built into a library of its own and
 registered under targets of its own; engines traced while `jaxserve.kernels.cpu.matmul`'s targets name them run
@@ -12,12 +13,17 @@ after `--prompt-len`-token prompts. Rounds alternate the engines and time `--ste
 that slows down mid-run slows all of them; the script prints each engine's median step and rounds, and the
 median over rounds of its time over the first engine's. Unlike `bench_forward_ab.py` this times whole steps:
 host work, both jitted calls, and the overlap of asynchronous scheduling.
+
+`--row-parts` compares the working tree with itself instead: engines whose start-up plan cuts a one-row
+projection into the part count it measured fastest (`KernelPlan.row_parts`) against engines with the kernel's
+default (16 parts).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import subprocess
 import tempfile
 import time
@@ -74,7 +80,9 @@ def decoding_engine(args: argparse.Namespace, targets: tuple[str, str], async_sc
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--base", required=True, help="git revision whose matmul.cc is the baseline")
+    ap.add_argument("--base", default=None, help="git revision whose matmul.cc is the baseline")
+    ap.add_argument("--row-parts", action="store_true",
+                    help="instead of --base: the plan's one-row part count against the kernel's default")
     ap.add_argument("--model", default="small")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -90,6 +98,10 @@ def main() -> None:
         ap.error("--modes takes sync and/or async")
     if not cpu_kernels.available():
         ap.error("jaxserve's CPU kernels are not available here")
+    if (args.base is None) == (not args.row_parts):
+        ap.error("give one of --base REV and --row-parts")
+    if args.row_parts:
+        return compare_row_parts(args, modes)
     try:
         base = register_base_matmul(args.base)
     except subprocess.CalledProcessError as e:
@@ -102,6 +114,26 @@ def main() -> None:
     engines = {(name, mode): decoding_engine(args, targets, mode == "async")
                for name, targets in ((f"base {args.base}", base), ("working tree", ours)) for mode in modes}
     cpu_matmul.TARGET, cpu_matmul.TARGET_NT = ours
+    alternate(args, engines)
+
+
+def compare_row_parts(args: argparse.Namespace, modes: list[str]) -> None:
+    """The working tree's engines: the plan's one-row part count, and the kernel's default."""
+    ours = (cpu_matmul.TARGET, cpu_matmul.TARGET_NT)
+    choose = kernel_choice.choose
+    engines = {}
+    for name, parts in (("plan's parts", None), ("default parts", 0)):
+        if parts is not None:  # the policy asks this module at start-up
+            kernel_choice.choose = lambda *a, p=parts, **k: dataclasses.replace(choose(*a, **k), row_parts=p)
+        for mode in modes:
+            engines[name, mode] = decoding_engine(args, ours, mode == "async")
+        kernel_choice.choose = choose
+    print(f"plan: {engines[next(iter(engines))].runner.ops.matmul.plan.describe()}")
+    alternate(args, engines)
+
+
+def alternate(args: argparse.Namespace, engines: dict[tuple[str, str], LLMEngine]) -> None:
+    """Rounds over the engines, `--steps` steps each after three untimed ones; prints each engine's medians."""
     times: dict[tuple[str, str], list[float]] = {key: [] for key in engines}
     for _ in range(args.rounds):
         for key, engine in engines.items():

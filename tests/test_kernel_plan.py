@@ -68,6 +68,42 @@ def test_the_plan_keeps_the_kernel_where_it_was_faster(tiny_model, tmp_path, mon
     assert p.isa == cpu_kernels.isa()
 
 
+def test_the_plan_cuts_one_row_into_the_part_count_that_streamed_fastest(tiny_model, tmp_path, monkeypatch):
+    # one row against the default's 16 parts, each candidate (one and two a thread) paired with the default
+    monkeypatch.setattr(kernel_choice, "_threads", lambda: 2)
+    timed = []
+
+    def fake_times(first, second, args, repeats):
+        x = args[1] if isinstance(args[1], jax.Array) else next(iter(args[0].values()))
+        return [float(x.shape[0]), 8.0]
+
+    def fake_parts(weights, candidates, repeats, dtype):
+        timed.append(list(candidates))
+        return {"2": [1.0, 0.9], "4": [1.0, 0.6]}  # four parts: 0.6 of the default's time
+
+    monkeypatch.setattr(kernel_choice, "time_pair", fake_times)
+    monkeypatch.setattr(kernel_choice, "_measure_row_parts", fake_parts)
+    p = kernel_choice.choose(tiny_model, (1, 4), (1,), cache=tmp_path / "plan.json")
+    assert timed == [[2, 4]] and p.row_parts == 4 and p.parts_at(1) == 4 and p.parts_at(4) == 0
+    assert "one row in at most 4 parts" in p.describe()
+
+    def hlo(rows: int) -> str:
+        w = jnp.ones((64, 96), jnp.float32)
+        route = dataclasses.replace(CPU_KERNEL_ROUTE, plan=p)
+        return jax.jit(lambda x: linear(x, w, route)).lower(jnp.ones((rows, 64))).as_text()
+
+    assert "row_parts = 4" in hlo(1) and "row_parts = 0" in hlo(4)
+
+
+def test_the_default_part_count_stays_where_no_candidate_beat_it(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(kernel_choice, "_threads", lambda: 2)
+    monkeypatch.setattr(kernel_choice, "_measure_row_parts",
+                        lambda weights, candidates, repeats, dtype: {"2": [1.0, 1.3], "4": [1.0, 1.05]})
+    monkeypatch.setattr(kernel_choice, "time_pair", lambda first, second, args, repeats: [1.0, 2.0])
+    p = kernel_choice.choose(tiny_model, (1,), (1,), cache=tmp_path / "plan.json")
+    assert p.row_parts == 0 and "parts" not in p.describe()
+
+
 def test_the_plan_is_measured_once_then_read_from_its_cache(tiny_model, tmp_path, monkeypatch, caplog):
     cache = tmp_path / "plan.json"
     with caplog.at_level(logging.INFO, logger=kernel_choice.__name__):

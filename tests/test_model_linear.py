@@ -43,13 +43,15 @@ def test_the_matmul_kernel_is_a_matmul(rows: int, inputs: int) -> None:
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="jaxserve's CPU kernels are not built here")
 @pytest.mark.parametrize("inputs", [37, 64, 130, 600])
-def test_one_row_sums_the_weights_in_parts(inputs: int) -> None:
+@pytest.mark.parametrize("row_parts", [0, 1, 2, 4])
+def test_one_row_sums_the_weights_in_parts(inputs: int, row_parts: int) -> None:
     """One row of x takes w's rows in contiguous parts of at least 32 (37, 64: one and two parts; 130: four of 32
-    or 33 rows, not whole groups of eight; 600: the most, 16) and adds the parts' partial outputs."""
+    or 33 rows, not whole groups of eight; 600: the most, 16 by default or the plan's `row_parts`) and adds the
+    parts' partial outputs."""
     rng = np.random.default_rng(inputs)
     x = rng.standard_normal((1, inputs), dtype=np.float32)
     w = rng.standard_normal((inputs, 80), dtype=np.float32)
-    out = jax.jit(cpu_matmul.cpu_matmul)(jnp.asarray(x), jnp.asarray(w))
+    out = jax.jit(lambda x, w: cpu_matmul.cpu_matmul(x, w, row_parts))(jnp.asarray(x), jnp.asarray(w))
     np.testing.assert_allclose(np.asarray(out), x @ w, rtol=1e-5, atol=1e-4)
 
 

@@ -69,7 +69,7 @@ def linear(x: jax.Array, w: jax.Array | QuantizedWeight, route: MatmulRoute = XL
             return fp8_matmul(x, w)
         return quantized_matmul(x, w, in_step_order=route.step_order_converts)
     if route.kernel_at(t) and cpu_matmul.supports(x, w):
-        return cpu_matmul.cpu_matmul(x, w)
+        return cpu_matmul.cpu_matmul(x, w, route.row_parts_at(t))
     if route.transposed_at(t):
         return lax.dot_general(lax.optimization_barrier(x.T), w, (((0,), (0,)), ((), ())))
     return lax.dot_general(x, w, (((1,), (0,)), ((), ())))

@@ -46,6 +46,10 @@ class MatmulRoute:
         """Whether the C++ matmul may take a projection of `rows` rows."""
         return self.cpu_kernel and (self.plan is None or self.plan.matmul(rows))
 
+    def row_parts_at(self, rows: int) -> int:
+        """The C++ matmul's part count for a projection of `rows` rows (0: its default)."""
+        return self.plan.parts_at(rows) if self.plan is not None else 0
+
     def head_kernel_at(self, rows: int) -> bool:
         """Whether the C++ matmul may take the LM head over `rows` hidden rows."""
         return self.cpu_kernel and (self.plan is None or self.plan.head(rows))

@@ -4,7 +4,8 @@
 For every row count the engine runs up to `cpu_matmul.MAX_ROWS` (its token buckets for the projections, its
 sequence buckets for the LM head), the model's own matrices (every layer's, so that they come from memory as in a
 step) are timed through the kernel and through XLA alternately; the kernel keeps a row count only where its
-least time is the lower. The timings are cached beside the kernel library (`<library>.plan.json`: keyed like it by
+least time is the lower. First, the one-row projections are timed with other part counts than the kernel's
+default (`row_part_candidates`), and the plan keeps the fastest (`KernelPlan.row_parts`). The timings are cached beside the kernel library (`<library>.plan.json`: keyed like it by
 the sources, flags, compiler, jaxlib and CPU), per model shape and thread count, so later starts only read them.
 """
 
@@ -46,10 +47,17 @@ CPU_XLA_ROUTE = MatmulRoute(transposed_rows=(2, 16), step_order_converts=True, m
 # jaxserve's C++ matmuls wherever they take the shapes, XLA's CPU path elsewhere.
 CPU_KERNEL_ROUTE = dataclasses.replace(CPU_XLA_ROUTE, cpu_kernel=True)
 # How the timings were taken, in the cache's key: timings taken otherwise are measured again.
-TIMING = "in sequence, best of 15"
+TIMING = "in sequence, best of 15, one row in its measured parts"
 # Alternating rounds of the two paths per row count; each keeps its least time: a busy machine only adds time, and
 # with 5 rounds' medians a busy minute gave bard's one-row projections to XLA, slower in a step (docs/tuning.md).
 REPEATS = 15
+# The kernel's own part count for one row (matmul.cc's kRowParts), which each candidate is timed against.
+DEFAULT_ROW_PARTS = 16
+
+
+def row_part_candidates(threads: int) -> list[int]:
+    """Part counts a one-row projection may take besides the default: one and two a thread."""
+    return sorted({threads, 2 * threads} - {DEFAULT_ROW_PARTS})
 
 
 def model_matrices(model: Any) -> tuple[list[jax.Array], jax.Array, bool]:
@@ -119,14 +127,36 @@ def _input_width(w: Any) -> int:
 
 
 def _measure_matmuls(weights: list[jax.Array], rows: Sequence[int], repeats: int,
-                     dtype: jnp.dtype = jnp.float32) -> dict[str, list[float]]:
-    """[kernel, XLA] seconds per row count for all of `weights` one after another, each as `linear` runs it."""
+                     dtype: jnp.dtype = jnp.float32, row_parts: int = 0) -> dict[str, list[float]]:
+    """[kernel, XLA] seconds per row count for all of `weights` one after another, each as `linear` runs it (one
+    row in `row_parts` parts, 0: the kernel's default)."""
     # XLA's side as the engine runs it where the plan declines the kernel
+    every = dataclasses.replace(NO_KERNEL, matmul_rows=frozenset(rows), row_parts=row_parts)
     kernel, xla = (jax.jit(_in_sequence(lambda x, w, r=r: linear(x, w, r)))
-                   for r in (CPU_KERNEL_ROUTE, dataclasses.replace(CPU_KERNEL_ROUTE, plan=NO_KERNEL)))
+                   for r in (dataclasses.replace(CPU_KERNEL_ROUTE, plan=every),
+                             dataclasses.replace(CPU_KERNEL_ROUTE, plan=NO_KERNEL)))
     inputs = {_input_width(w) for w in weights}
     return {str(r): time_pair(kernel, xla, ({n: jnp.ones((r, n), dtype) for n in inputs}, weights),
                               repeats) for r in rows}
+
+
+def _measure_row_parts(weights: list[jax.Array], candidates: Sequence[int], repeats: int,
+                       dtype: jnp.dtype = jnp.float32) -> dict[str, list[float]]:
+    """[default parts, candidate] seconds per candidate part count, all of `weights` at one row, one after
+    another through the kernel."""
+    def kernel(parts: int) -> Callable[..., list[jax.Array]]:
+        return jax.jit(_in_sequence(lambda x, w: cpu_matmul.cpu_matmul(x, w, parts)))
+
+    default = kernel(DEFAULT_ROW_PARTS)
+    xs = {n: jnp.ones((1, n), dtype) for n in {_input_width(w) for w in weights}}
+    return {str(c): time_pair(default, kernel(c), (xs, weights), repeats) for c in candidates}
+
+
+def _fewest_time_parts(timings: dict[str, list[float]]) -> int:
+    """The candidate whose time against its paired default was the least ratio below 1, else 0 (the default)."""
+    ratios = {int(c): t[1] / t[0] for c, t in timings.items() if t[0] > 0}
+    best = min(ratios, key=ratios.get, default=0)
+    return best if best and ratios[best] < 1.0 else 0
 
 
 def _measure_head(model: Any, rows: Sequence[int], repeats: int) -> dict[str, list[float]]:
@@ -214,12 +244,20 @@ def choose(model: Any, token_buckets: Sequence[int], seq_buckets: Sequence[int],
     entry = data.setdefault(signature(weights, head, tied, experts), {"matmul": {}, "head": {}})
     entry.setdefault("moe", {})
     entry.setdefault("int8_threads", {})
+    entry.setdefault("row_parts", {})
     t = time.perf_counter()
+    floats = [w for w in weights if not isinstance(w, QuantizedWeight)]  # the float kernel's, cut in parts
+    parts_to_time = [c for c in row_part_candidates(_threads()) if str(c) not in entry["row_parts"]] \
+        if 1 in matmul_rows and floats else []
+    if parts_to_time:  # first: the one-row timings against XLA below take the part count chosen here
+        logger.info("timing the C++ kernels: one row in %s parts against %d", parts_to_time, DEFAULT_ROW_PARTS)
+        entry["row_parts"].update(_measure_row_parts(floats, parts_to_time, repeats, dtype))
+    row_parts = _fewest_time_parts(entry["row_parts"])
     missing = [r for r in matmul_rows if str(r) not in entry["matmul"]]
     missing_head = [r for r in head_rows if str(r) not in entry["head"]]
     missing_moe = [r for r in moe_rows if str(r) not in entry["moe"]]
     missing_int8 = [r for r in int8_rows if str(r) not in entry["int8_threads"]]
-    measured = bool(missing or missing_head or missing_moe or missing_int8)
+    measured = bool(parts_to_time or missing or missing_head or missing_moe or missing_int8)
     if measured:
         parts = [(name, rows) for name, rows in (("projections", missing), ("LM head", missing_head),
                                                    ("MoE experts", missing_moe), ("int8 threads", missing_int8))
@@ -229,7 +267,7 @@ def choose(model: Any, token_buckets: Sequence[int], seq_buckets: Sequence[int],
             logger.info("%s: %s at %d row counts (%d of %d)", task, name, len(rows), i + 1, len(parts),
                         extra=progress.step(task, i, len(parts)))
             if name == "projections":
-                entry["matmul"].update(_measure_matmuls(weights, rows, repeats, dtype))
+                entry["matmul"].update(_measure_matmuls(weights, rows, repeats, dtype, row_parts))
             elif name == "LM head":
                 entry["head"].update(_measure_head(model, rows, repeats))
             elif name == "MoE experts":
@@ -242,7 +280,7 @@ def choose(model: Any, token_buckets: Sequence[int], seq_buckets: Sequence[int],
         return frozenset(r for r in rows if timings[str(r)][0] < timings[str(r)][1])
 
     plan = KernelPlan(cpu_kernels.isa() or "", faster(entry["matmul"], matmul_rows), faster(entry["head"], head_rows),
-                      faster(entry["moe"], moe_rows), faster(entry["int8_threads"], int8_rows))
+                      faster(entry["moe"], moe_rows), faster(entry["int8_threads"], int8_rows), row_parts)
     how = f"measured in {time.perf_counter() - t:.1f} s" if measured else "cached"
     logger.info("%s (timings %s: %s)", plan.describe(), how, cache)
     return plan

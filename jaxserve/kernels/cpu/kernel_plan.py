@@ -19,6 +19,9 @@ class KernelPlan:
     # row counts at which the int8 kernel runs on one thread: where the CPUs share one core's vector units, a
     # second thread only contends for them
     int8_one_thread_rows: frozenset[int] = frozenset()
+    # the most parts a one-row projection cuts its weight into for the threads to claim (0: the kernel's default):
+    # fewer, longer parts streamed faster on some CPUs, more let a thread cover for a descheduled one on others
+    row_parts: int = 0
 
     def moe(self, tokens: int) -> bool:
         """Whether a step of `tokens` tokens runs its MoE layers' expert tiles in the grouped kernel."""
@@ -32,6 +35,10 @@ class KernelPlan:
         """Whether the LM head over `rows` hidden rows goes to the kernel."""
         return rows in self.head_rows
 
+    def parts_at(self, rows: int) -> int:
+        """The part count the kernel's call at `rows` rows takes (0: its default; only one row is cut in parts)."""
+        return self.row_parts if rows == 1 else 0
+
     def int8_threads(self, rows: int) -> int:
         """The int8 kernel's thread limit for `rows` rows: 1, or 0 for all of XLA's intra-op threads."""
         return 1 if rows in self.int8_one_thread_rows else 0
@@ -44,5 +51,7 @@ class KernelPlan:
         moe = f", grouped expert kernel at {rows(self.moe_rows).replace('rows', 'tokens')}" if self.moe_rows else ""
         if self.int8_one_thread_rows:
             moe += f", int8 kernel on one thread at {rows(self.int8_one_thread_rows)}"
+        if self.row_parts:
+            moe += f", one row in at most {self.row_parts} parts"
         return (f"CPU kernels built for {self.isa}: matmul kernel at {rows(self.matmul_rows)}, LM head kernel at "
                 f"{rows(self.head_rows)}{moe}; XLA's dots at every other row count")

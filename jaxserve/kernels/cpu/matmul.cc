@@ -172,7 +172,7 @@ void BcastBand(const Problem& p, const float* xt, int64_t n0, int64_t n1) {
 // runs of at least kMinPartRows rows, claimed by the threads one at a time, each summed into its own partial y,
 // and the partials added at the end. With more parts than threads, a thread the OS takes away for a while (the
 // engine's Python thread shares the cores under asynchronous scheduling) holds up only the part it claimed, not
-// half the matrix; see docs/tuning.md.
+// half the matrix; see docs/tuning.md. The default: the kernel plan may choose another count per machine.
 constexpr int kRowParts = 16;
 constexpr int kMinPartRows = 32;
 // Rows of w summed into y per pass over it, and how far ahead of them one row of x prefetches w into L2: a
@@ -210,8 +210,9 @@ void RowPart(const Problem& p, int64_t k0, int64_t k1, float* y) {
   for (; k < k1; ++k) RowGroup<1>(p, k, y, false);
 }
 
-ffi::Error RunOneRow(ffi::ThreadPool& pool, const Problem& p) {
-  const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kRowParts, p.k / kMinPartRows)));
+ffi::Error RunOneRow(ffi::ThreadPool& pool, const Problem& p, int row_parts) {
+  const int most = row_parts > 0 ? row_parts : kRowParts;
+  const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(most, p.k / kMinPartRows)));
   // Part 0 sums into y itself, the others into this buffer, kept per calling thread so that a decode step's 48
   // projections neither allocate nor clear it (each part clears its own rows).
   thread_local std::vector<float> partial;
@@ -230,9 +231,9 @@ ffi::Error RunOneRow(ffi::ThreadPool& pool, const Problem& p) {
 // Bands of w's columns (16 at a time), one a thread, since a band's rows are long sequential reads which more and
 // narrower bands would cut up; or, `transposed` (w is [N, K]), bands of its rows (4 or kBcastRows at a time),
 // kBandsPerThreadNT a thread.
-ffi::Error Run(ffi::ThreadPool& pool, const Problem& p, bool transposed) {
+ffi::Error Run(ffi::ThreadPool& pool, const Problem& p, bool transposed, int row_parts = 0) {
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
-  if (p.m == 1 && !transposed) return RunOneRow(pool, p);
+  if (p.m == 1 && !transposed) return RunOneRow(pool, p, row_parts);
   const bool bcast = transposed && p.m >= kBcastMinRows && p.m <= kLineFloats && p.n % kBcastRows == 0;
   std::vector<float> xt(bcast ? p.k * kLineFloats : 0, 0.0f);
   for (int64_t m = 0; bcast && m < p.m; ++m) {
@@ -253,15 +254,16 @@ ffi::Error Run(ffi::ThreadPool& pool, const Problem& p, bool transposed) {
   return ffi::Error::Success();
 }
 
+// `row_parts`: the most parts one row cuts w into (0: kRowParts), chosen per machine at start-up (the kernel plan).
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                      ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::ResultBuffer<ffi::F32> y, int32_t row_parts) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0]) {
     return ffi::Error::InvalidArgument("matmul: x must be [M, K] and w [K, N]");
   }
   if (wd[1] % kLineFloats != 0) return ffi::Error::InvalidArgument("matmul: N must be a multiple of 16");
-  return Run(pool, Problem{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[1]}, false);
+  return Run(pool, Problem{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[1]}, false, row_parts);
 }
 
 ffi::Error MatmulNTImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
@@ -321,7 +323,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmul, MatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("row_parts"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulNT, MatmulNTImpl,
                               ffi::Ffi::Bind()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.kernels.cpu import library as cpu_kernels
 
@@ -28,12 +29,14 @@ def supports(x: jax.Array, w: jax.Array) -> bool:
             and x.ndim == 2 and 1 <= x.shape[0] <= MAX_ROWS and out % 16 == 0 and cpu_kernels.available())
 
 
-def cpu_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [T, in] @ w [in, ...] -> [T, ...] (float32), w read as the [in, out] matrix it is in memory."""
+def cpu_matmul(x: jax.Array, w: jax.Array, row_parts: int = 0) -> jax.Array:
+    """x [T, in] @ w [in, ...] -> [T, ...] (float32), w read as the [in, out] matrix it is in memory. One row of x
+    cuts w's rows into at most `row_parts` contiguous parts the threads claim (0: the kernel's default, 16)."""
     if not cpu_kernels.available():
         raise RuntimeError("jaxserve's CPU kernels are not available on this machine (see the warning above)")
     w2 = w.reshape(w.shape[0], -1)
-    y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w2.shape[1]), jnp.float32))(x, w2)
+    y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w2.shape[1]), jnp.float32))(
+        x, w2, row_parts=np.int32(row_parts))
     return y.reshape(x.shape[0], *w.shape[1:])
 
 
