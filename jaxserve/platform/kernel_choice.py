@@ -5,8 +5,9 @@ For every row count the engine runs up to `cpu_matmul.MAX_ROWS` (its token bucke
 sequence buckets for the LM head), the model's own matrices (every layer's, so that they come from memory as in a
 step) are timed through the kernel and through XLA alternately; the kernel keeps a row count only where its
 least time is the lower. First, the one-row projections are timed with other part counts than the kernel's
-default (`row_part_candidates`), and the plan keeps the fastest (`KernelPlan.row_parts`). The timings are cached beside the kernel library (`<library>.plan.json`: keyed like it by
-the sources, flags, compiler, jaxlib and CPU), per model shape and thread count, so later starts only read them.
+default (`row_part_candidates`), and the plan keeps the fastest (`KernelPlan.row_parts`). The timings are cached
+beside the kernel library (`<library>.plan.json`: keyed like it by the sources, flags, compiler, jaxlib and CPU),
+per model shape and thread count, so later starts only read them.
 """
 
 from __future__ import annotations
