@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxserve import LLM
 from jaxserve.kernels.cpu import library as cpu_kernels
 from jaxserve.kernels.cpu import matmul as cpu_matmul
 from jaxserve.kernels.cpu import matmul_int8 as cpu_matmul_int8
@@ -102,6 +103,47 @@ def test_the_default_part_count_stays_where_no_candidate_beat_it(tiny_model, tmp
     monkeypatch.setattr(kernel_choice, "time_pair", lambda first, second, args, repeats: [1.0, 2.0])
     p = kernel_choice.choose(tiny_model, (1,), (1,), cache=tmp_path / "plan.json")
     assert p.row_parts == 0 and "parts" not in p.describe()
+
+
+def test_an_overlapped_loops_row_counts_are_timed_with_the_hosts_work_beside_them(tiny_model, tmp_path, monkeypatch):
+    # the kernel's helper threads contend with the loop's host thread: where the host's work stretches the kernel
+    # more than XLA's one-thread dot, that row count goes to XLA for an overlapped engine only
+    def fake_times(kernel, xla, args, repeats):
+        beside = kernel.__name__ == "with_host_work"  # `_beside`'s wrapper: dispatch, the host's work, the wait
+        assert (xla.__name__ == "with_host_work") == beside
+        return [2.0, 1.0] if beside else [1.0, 2.0]
+
+    monkeypatch.setattr(kernel_choice, "time_pair", fake_times)
+    monkeypatch.setattr(kernel_choice, "_measure_row_parts", lambda *a: {})
+    cache = tmp_path / "plan.json"
+    overlapped = kernel_choice.choose(tiny_model, (1, 4, 16), (1, 16), cache=cache, beside_host=(1, 4))
+    alone = kernel_choice.choose(tiny_model, (1, 4, 16), (1, 16), cache=cache)
+    assert overlapped.matmul_rows == {16} and overlapped.head_rows == {16}
+    assert alone.matmul_rows == {1, 4, 16} and alone.head_rows == {1, 16}
+    [entry] = json.loads(cache.read_text()).values()  # one model: both kinds of timing side by side
+    assert {"1", "1 beside the host", "4 beside the host", "16"} <= set(entry["matmul"])
+
+
+def test_the_hosts_stand_in_is_a_fixed_amount_of_work():
+    work = kernel_choice.host_work(1e-4)
+    assert work() is None  # runs its count, whatever the clock says meanwhile
+    f = kernel_choice._beside(lambda x: x + 1, work)
+    assert f(1) == 2 and kernel_choice._beside(abs, None) is abs
+
+
+def test_an_overlapped_cpu_engine_asks_for_its_overlapped_row_counts_beside_the_host(monkeypatch):
+    asked = []
+    choose = kernel_choice.choose
+
+    def spy(model, token_buckets, seq_buckets, **kwargs):
+        asked.append(tuple(kwargs.get("beside_host", ())))
+        return choose(model, token_buckets, seq_buckets, **kwargs)
+
+    monkeypatch.setattr(kernel_choice, "choose", spy)
+    args = dict(max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(1, 2, 4, 16, 64), warmup=False)
+    LLM("tiny", **args)
+    LLM("tiny", async_scheduling=True, **args)
+    assert asked == [(), (1, 2, 4)]  # the synchronous loop's plan alone; the overlapped one's up to 8 tokens
 
 
 def test_the_plan_is_measured_once_then_read_from_its_cache(tiny_model, tmp_path, monkeypatch, caplog):

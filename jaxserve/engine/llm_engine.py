@@ -80,7 +80,8 @@ class LLMEngine:
             seq_buckets, spec_k, min(config.max_num_seqs * (1 + spec_k), max(token_buckets)))) if spec_k else ()
         self.policy = choose_policy(built.model, built.kv_caches, attention_backend=config.attention_backend,
                                     cpu_kernels=config.cpu_kernels, token_buckets=(*token_buckets, *round_rows),
-                                    seq_buckets=(*seq_buckets, *round_rows))
+                                    seq_buckets=(*seq_buckets, *round_rows),
+                                    overlapped=bool(config.async_scheduling))
         self.runner = ModelRunner(built.model, built.kv_caches, self.policy, page_size=config.page_size,
                                   max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
                                   token_buckets=self.policy.token_buckets(token_buckets), seq_buckets=seq_buckets,

@@ -4,10 +4,12 @@
 For every row count the engine runs up to `cpu_matmul.MAX_ROWS` (its token buckets for the projections, its
 sequence buckets for the LM head), the model's own matrices (every layer's, so that they come from memory as in a
 step) are timed through the kernel and through XLA alternately; the kernel keeps a row count only where its
-least time is the lower. First, the one-row projections are timed with other part counts than the kernel's
-default (`row_part_candidates`), and the plan keeps the fastest (`KernelPlan.row_parts`). The timings are cached
-beside the kernel library (`<library>.plan.json`: keyed like it by the sources, flags, compiler, jaxlib and CPU),
-per model shape and thread count, so later starts only read them.
+least time is the lower. Row counts an engine's overlapped loop runs beside its host work (`beside_host`) are
+timed with a stand-in for that work between each call's dispatch and its wait: the kernel's helper threads and the
+host then contend for the cores as in that loop. First, the one-row projections are timed with other part counts
+than the kernel's default (`row_part_candidates`), and the plan keeps the fastest (`KernelPlan.row_parts`). The
+timings are cached beside the kernel library (`<library>.plan.json`: keyed like it by the sources, flags, compiler,
+jaxlib and CPU), per model shape and thread count, so later starts only read them.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ TIMING = "in sequence, best of 15, one row in its measured parts"
 # Alternating rounds of the two paths per row count; each keeps its least time: a busy machine only adds time, and
 # with 5 rounds' medians a busy minute gave bard's one-row projections to XLA, slower in a step (docs/tuning.md).
 REPEATS = 15
+# The stand-in for the overlapped loop's host work beside a step: Python work this long when it runs alone (a small
+# model's host step, docs/tuning.md "The kernel plan").
+HOST_WORK_S = 3e-4
+BESIDE_HOST = " beside the host"  # the cache key's suffix of a row count timed with the stand-in
 # The kernel's own part count for one row (matmul.cc's kRowParts), which each candidate is timed against.
 DEFAULT_ROW_PARTS = 16
 
@@ -103,6 +109,34 @@ def time_pair(kernel: Callable[..., Any], xla: Callable[..., Any], args: tuple,
     return [float(min(ts)) for ts in times]
 
 
+def _count_to(n: int) -> int:
+    total = 0
+    for i in range(n):
+        total += i
+    return total
+
+
+def host_work(seconds: float = HOST_WORK_S) -> Callable[[], None]:
+    """A fixed amount of Python work that takes about `seconds` on this machine alone: a fixed count, not a fixed
+    time, so that threads competing for the cores stretch it as they stretch the host's real work."""
+    t = time.perf_counter()
+    _count_to(100_000)
+    n = max(1, int(seconds / max((time.perf_counter() - t) / 100_000, 1e-9)))
+    return lambda: _count_to(n) and None
+
+
+def _beside(f: Callable[..., Any], work: Callable[[], None] | None) -> Callable[..., Any]:
+    """`f` dispatched, then `work` on this thread while it runs (the overlapped loop's pattern); `f` alone if None."""
+    if work is None:
+        return f
+
+    def with_host_work(*args: Any) -> Any:
+        out = f(*args)
+        work()
+        return out
+    return with_host_work
+
+
 def _supports(x: jax.ShapeDtypeStruct, w: jax.Array | QuantizedWeight) -> bool:
     """Whether `linear` would give x @ w to a kernel: the int8 one for quantized weights, else the float one."""
     return cpu_matmul_int8.supports(x, w.q) if isinstance(w, QuantizedWeight) else cpu_matmul.supports(x, w)
@@ -128,17 +162,18 @@ def _input_width(w: Any) -> int:
 
 
 def _measure_matmuls(weights: list[jax.Array], rows: Sequence[int], repeats: int,
-                     dtype: jnp.dtype = jnp.float32, row_parts: int = 0) -> dict[str, list[float]]:
+                     dtype: jnp.dtype = jnp.float32, row_parts: int = 0,
+                     work: Callable[[], None] | None = None) -> dict[str, list[float]]:
     """[kernel, XLA] seconds per row count for all of `weights` one after another, each as `linear` runs it (one
-    row in `row_parts` parts, 0: the kernel's default)."""
+    row in `row_parts` parts, 0: the kernel's default), each call `_beside` the host `work` when given."""
     # XLA's side as the engine runs it where the plan declines the kernel
     every = dataclasses.replace(NO_KERNEL, matmul_rows=frozenset(rows), row_parts=row_parts)
     kernel, xla = (jax.jit(_in_sequence(lambda x, w, r=r: linear(x, w, r)))
                    for r in (dataclasses.replace(CPU_KERNEL_ROUTE, plan=every),
                              dataclasses.replace(CPU_KERNEL_ROUTE, plan=NO_KERNEL)))
     inputs = {_input_width(w) for w in weights}
-    return {str(r): time_pair(kernel, xla, ({n: jnp.ones((r, n), dtype) for n in inputs}, weights),
-                              repeats) for r in rows}
+    return {str(r): time_pair(_beside(kernel, work), _beside(xla, work),
+                              ({n: jnp.ones((r, n), dtype) for n in inputs}, weights), repeats) for r in rows}
 
 
 def _measure_row_parts(weights: list[jax.Array], candidates: Sequence[int], repeats: int,
@@ -160,13 +195,16 @@ def _fewest_time_parts(timings: dict[str, list[float]]) -> int:
     return best if best and ratios[best] < 1.0 else 0
 
 
-def _measure_head(model: Any, rows: Sequence[int], repeats: int) -> dict[str, list[float]]:
-    """[kernel, XLA] seconds per row count of the model's LM head, as `compute_logits` runs it."""
+def _measure_head(model: Any, rows: Sequence[int], repeats: int,
+                  work: Callable[[], None] | None = None) -> dict[str, list[float]]:
+    """[kernel, XLA] seconds per row count of the model's LM head, as `compute_logits` runs it (`_beside` the host
+    `work` when given)."""
     graphdef, state = nnx.split(model)
     kernel, xla = (jax.jit(lambda s, h, r=r: nnx.merge(graphdef, s).compute_logits(h, r))
                    for r in (CPU_KERNEL_ROUTE, CPU_XLA_ROUTE))
     hidden, dtype = model.embed.shape[1], model.embed[...].dtype
-    return {str(r): time_pair(kernel, xla, (state, jnp.ones((r, hidden), dtype)), repeats) for r in rows}
+    return {str(r): time_pair(_beside(kernel, work), _beside(xla, work), (state, jnp.ones((r, hidden), dtype)),
+                              repeats) for r in rows}
 
 
 def _measure_moe(layers: list[MoE], rows: Sequence[int], repeats: int,
@@ -219,10 +257,11 @@ def _write(path: Path, data: dict) -> None:
 
 
 def choose(model: Any, token_buckets: Sequence[int], seq_buckets: Sequence[int], *, cache: Path | None = None,
-           repeats: int = REPEATS) -> KernelPlan | None:
+           repeats: int = REPEATS, beside_host: Sequence[int] = ()) -> KernelPlan | None:
     """The plan for `model` on this machine: the row counts among the buckets the kernel can take where it was
     measured faster than XLA (measured now for any not in `cache`, default beside the kernel library), logged in
-    one line. None where the kernels are not available."""
+    one line; the row counts in `beside_host` (an overlapped loop's) timed with the host's work beside them. None
+    where the kernels are not available."""
     if not cpu_kernels.available():
         return None
     weights, head, tied = model_matrices(model)
@@ -254,33 +293,45 @@ def choose(model: Any, token_buckets: Sequence[int], seq_buckets: Sequence[int],
         logger.info("timing the C++ kernels: one row in %s parts against %d", parts_to_time, DEFAULT_ROW_PARTS)
         entry["row_parts"].update(_measure_row_parts(floats, parts_to_time, repeats, dtype))
     row_parts = _fewest_time_parts(entry["row_parts"])
-    missing = [r for r in matmul_rows if str(r) not in entry["matmul"]]
-    missing_head = [r for r in head_rows if str(r) not in entry["head"]]
+
+    def key(r: int) -> str:
+        return f"{r}{BESIDE_HOST}" if r in beside_host else str(r)
+
+    missing = [r for r in matmul_rows if key(r) not in entry["matmul"]]
+    missing_head = [r for r in head_rows if key(r) not in entry["head"]]
     missing_moe = [r for r in moe_rows if str(r) not in entry["moe"]]
     missing_int8 = [r for r in int8_rows if str(r) not in entry["int8_threads"]]
     measured = bool(parts_to_time or missing or missing_head or missing_moe or missing_int8)
     if measured:
-        parts = [(name, rows) for name, rows in (("projections", missing), ("LM head", missing_head),
-                                                   ("MoE experts", missing_moe), ("int8 threads", missing_int8))
-                 if rows]
+        alone = [[r for r in rows if r not in beside_host] for rows in (missing, missing_head)]
+        beside = [[r for r in rows if r in beside_host] for rows in (missing, missing_head)]
+        parts = [(name, rows) for name, rows in (
+            ("projections", alone[0]), ("LM head", alone[1]), (f"projections{BESIDE_HOST}", beside[0]),
+            (f"LM head{BESIDE_HOST}", beside[1]), ("MoE experts", missing_moe), ("int8 threads", missing_int8))
+            if rows]
+        work = host_work() if beside[0] or beside[1] else None
         task = "timing the C++ kernels against XLA (once per model and machine)"
         for i, (name, rows) in enumerate(parts):
             logger.info("%s: %s at %d row counts (%d of %d)", task, name, len(rows), i + 1, len(parts),
                         extra=progress.step(task, i, len(parts)))
-            if name == "projections":
-                entry["matmul"].update(_measure_matmuls(weights, rows, repeats, dtype, row_parts))
-            elif name == "LM head":
-                entry["head"].update(_measure_head(model, rows, repeats))
+            host = work if name.endswith(BESIDE_HOST) else None
+            if name.startswith("projections"):
+                got = _measure_matmuls(weights, rows, repeats, dtype, row_parts, host)
+                entry["matmul"].update({key(int(r)): t for r, t in got.items()})
+            elif name.startswith("LM head"):
+                got = _measure_head(model, rows, repeats, host)
+                entry["head"].update({key(int(r)): t for r, t in got.items()})
             elif name == "MoE experts":
                 entry["moe"].update(_measure_moe(experts, rows, repeats, dtype))
             else:
                 entry["int8_threads"].update(_measure_int8_threads(codes, rows, repeats, dtype))
         _write(cache, data)
 
-    def faster(timings: dict[str, list[float]], rows: list[int]) -> frozenset[int]:
-        return frozenset(r for r in rows if timings[str(r)][0] < timings[str(r)][1])
+    def faster(timings: dict[str, list[float]], rows: list[int], keyed: Callable[[int], str] = str) -> frozenset[int]:
+        return frozenset(r for r in rows if timings[keyed(r)][0] < timings[keyed(r)][1])
 
-    plan = KernelPlan(cpu_kernels.isa() or "", faster(entry["matmul"], matmul_rows), faster(entry["head"], head_rows),
+    plan = KernelPlan(cpu_kernels.isa() or "", faster(entry["matmul"], matmul_rows, key),
+                      faster(entry["head"], head_rows, key),
                       faster(entry["moe"], moe_rows), faster(entry["int8_threads"], int8_rows), row_parts)
     how = f"measured in {time.perf_counter() - t:.1f} s" if measured else "cached"
     logger.info("%s (timings %s: %s)", plan.describe(), how, cache)

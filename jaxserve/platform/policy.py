@@ -123,13 +123,14 @@ def default_platform() -> str:
 
 def choose_policy(model: Any, kv_caches: Any, *, attention_backend: str = "auto", cpu_kernels: bool = True,
                   token_buckets: Sequence[int] = (), seq_buckets: Sequence[int] = (),
-                  kernel_plan: Any = None) -> PlatformPolicy:
+                  kernel_plan: Any = None, overlapped: bool = False) -> PlatformPolicy:
     """The policy for `model` with its KV pool `kv_caches` (whose sharding names the devices).
 
     `attention_backend` (`--attention-backend`) and `cpu_kernels` (`--cpu-kernels`) are the engine's flags; the
     buckets are the row counts the kernel plan measures (on a CPU, once per machine, cached); `kernel_plan` forces
-    one (tests, or a draft model sharing its target's). Raises ValueError for an attention backend that cannot
-    run here."""
+    one (tests, or a draft model sharing its target's). `overlapped`: the engine runs the overlapped loop, whose
+    host work shares a CPU's cores with the steps it overlaps, so the plan times those steps' row counts with a
+    stand-in for that work beside them. Raises ValueError for an attention backend that cannot run here."""
     sharding = kv_caches[0][0].sharding
     devices = sharding.device_set
     facts = device_facts(devices)
@@ -144,7 +145,8 @@ def choose_policy(model: Any, kv_caches: Any, *, attention_backend: str = "auto"
                                num_sms=num_sms)
     route = None
     if cpu and kernels:
-        plan = kernel_plan or kernel_choice.choose(model, token_buckets, seq_buckets)
+        beside = sorted(r for r in {*token_buckets, *seq_buckets} if r <= CPU_OVERLAP_MAX_TOKENS) if overlapped else ()
+        plan = kernel_plan or kernel_choice.choose(model, token_buckets, seq_buckets, beside_host=beside)
         route = dataclasses.replace(kernel_choice.CPU_KERNEL_ROUTE, plan=plan) if plan is not None else None
     mesh = None if one_device else getattr(sharding, "mesh", None)
     if platform in GPU_PLATFORMS:

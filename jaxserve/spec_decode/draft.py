@@ -102,7 +102,8 @@ class DraftProposer:
         shard_model(weights, target.mesh)
         kv = init_sharded_kv_cache(effective_spec(spec, tp), num_pages, config.page_size, k0.dtype, target.mesh)
         policy = choose_policy(weights, kv, attention_backend=target.ops.attention.name, cpu_kernels=config.cpu_kernels,
-                               token_buckets=target.token_buckets, seq_buckets=target.seq_buckets)
+                               token_buckets=target.token_buckets, seq_buckets=target.seq_buckets,
+                               overlapped=bool(config.async_scheduling))
         self.runner = ModelRunner(weights, kv, policy, page_size=config.page_size, max_model_len=max_model_len,
                                   max_num_seqs=config.max_num_seqs, token_buckets=target.token_buckets,
                                   seq_buckets=target.seq_buckets)
