@@ -12,6 +12,20 @@ TINY_ENGINE_ARGS = dict(max_num_seqs=16, max_num_batched_tokens=128, chunk_size=
                         kv_cache_memory=8 * 2**20, max_model_len=1024)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _compilation_cache_of_this_worker():
+    """Each xdist worker's engines keep their own persistent compilation cache (a folder under the configured one):
+    jax writes an entry in place, unlocked, and a worker that read one the other was still writing crashed in
+    deserializing it (a segfault; xdist then hung on the lost worker: docs/tuning.md)."""
+    from jaxserve.runner import model_builder
+
+    original = model_builder.enable_compilation_cache
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    model_builder.enable_compilation_cache = lambda path: original(os.path.join(path, worker) if path else path)
+    yield
+    model_builder.enable_compilation_cache = original
+
+
 @pytest.fixture(scope="session")
 def tiny_llm():
     from jaxserve import LLM
