@@ -12,11 +12,38 @@ TINY_ENGINE_ARGS = dict(max_num_seqs=16, max_num_batched_tokens=128, chunk_size=
                         kv_cache_memory=8 * 2**20, max_model_len=1024)
 
 
+def _whole_cache_entries() -> bool:
+    """jax's persistent compilation cache writes an entry in place and reads it unlocked: a worker that read one the
+    other was still writing crashed in deserializing it (a segfault; xdist then hung on the lost worker:
+    docs/tuning.md). Here each entry is written to a temporary file and renamed into place, so a reader finds a
+    whole entry or none. False where jax's cache class is not the one this was written for."""
+    try:
+        from jax._src import lru_cache
+
+        put, suffix = lru_cache.LRUCache.put, lru_cache._CACHE_SUFFIX
+    except (ImportError, AttributeError):
+        return False
+
+    def put_whole(self, key: str, value: bytes) -> None:
+        if getattr(self, "eviction_enabled", True) or not key:  # jax's own path (locked when it evicts)
+            return put(self, key, value)
+        path = self.path / f"{key}{suffix}"
+        if not path.exists():
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_bytes(value)
+            os.replace(tmp, path)
+
+    lru_cache.LRUCache.put = put_whole
+    return True
+
+
 @pytest.fixture(scope="session", autouse=True)
-def _compilation_cache_of_this_worker():
-    """Each xdist worker's engines keep their own persistent compilation cache (a folder under the configured one):
-    jax writes an entry in place, unlocked, and a worker that read one the other was still writing crashed in
-    deserializing it (a segfault; xdist then hung on the lost worker: docs/tuning.md)."""
+def _compilation_cache_safe_across_workers():
+    """Workers share the persistent compilation cache with whole entries; where that cannot be arranged, each
+    worker keeps its own folder under it (slower from cold: each compiles what the other did)."""
+    if _whole_cache_entries():
+        yield
+        return
     from jaxserve.runner import model_builder
 
     original = model_builder.enable_compilation_cache
