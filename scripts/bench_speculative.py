@@ -16,8 +16,8 @@ overlapped loop joins too, and each overlapped speculative engine is compared wi
 synchronous one: the overlap's own gain is not speculation's.
 
 With --time-round N, each speculative engine's fused round (one sequence's bucket) is also timed against the
-target's one-token forward, both on no sequence, alternating N times: what the round's device program costs over
-a plain step's forward.
+target's one-token forward and against a whole plain step (the forward, then the sampler's LM head and draw), all
+on no sequence, alternating N times: what the round's device program costs over a plain decode's.
 
     python scripts/bench_speculative.py --model bard --draft-model bard-draft --k 4 --profile P --out reports/spec.json
 """
@@ -25,7 +25,6 @@ a plain step's forward.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -35,13 +34,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 from jaxserve.config.engine import EngineConfig  # noqa: E402
 from jaxserve.core.batch import empty_batch  # noqa: E402
 from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.engine.factory import create_engine  # noqa: E402
 from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
+from jaxserve.runner.sampler import SamplingArrays  # noqa: E402
 from modelspec.spec import load_model_spec, resolve_model_path  # noqa: E402
 from planner.hardware import load_hardware  # noqa: E402
 from planner.speculative import acceptance_from_tokens_per_step, choose_k, predict_speculative  # noqa: E402
@@ -71,22 +70,25 @@ BASELINES = ("plain", "plain-async")
 
 
 def time_round(engine: LLMEngine, repeats: int) -> dict:
-    """A speculative engine's fused round (its smallest sequence bucket) against its one-token forward, both on no
-    sequence (every write to the trash page), alternating: the device program's cost over a forward's, host excluded
-    but for the call itself. Medians in microseconds."""
+    """A speculative engine's fused round (its smallest sequence bucket) against the target's one-token forward and
+    against a whole plain step (that forward and the sampler's LM head and draw: what a plain decode dispatches),
+    all on no sequence (every write to the trash page), alternating: the device program's cost, host excluded but
+    for the calls themselves. Medians in microseconds."""
     rnd, runner = engine.loop.round, engine.runner
-    inputs = rnd.prepare(dataclasses.replace(empty_batch(), num_drafts=np.zeros(0, np.int32)), [], [], set(),
-                         size=rnd.sizes[0])
-    times: dict[str, list[float]] = {"round": [], "forward": []}
-    calls = {"round": lambda: rnd.dispatch(inputs)[0], "forward": lambda: runner.forward(empty_batch())}
+    inputs = rnd.idle_inputs(rnd.sizes[0])
+    sampling = SamplingArrays.build([], runner.sampling_bucket(1))
+    times: dict[str, list[float]] = {"round": [], "forward": [], "plain_step": []}
+    calls = {"round": lambda: rnd.dispatch(inputs)[0], "forward": lambda: runner.forward(empty_batch()),
+             "plain_step": lambda: runner.dispatch(empty_batch(), sampling)}
     for i in range(repeats + 10):
-        for name in (("round", "forward") if i % 2 else ("forward", "round")):
+        for name in (calls if i % 2 else reversed(calls)):
             t = time.perf_counter()
             jax.block_until_ready(calls[name]())
             if i >= 10:  # after warm calls
                 times[name].append(time.perf_counter() - t)
     got = {f"{name}_us": 1e6 * statistics.median(v) for name, v in times.items()}
-    return {**got, "round_over_forward": got["round_us"] / got["forward_us"], "round_rows": inputs.has_draft.size}
+    return {**got, "round_over_forward": got["round_us"] / got["forward_us"],
+            "round_over_plain_step": got["round_us"] / got["plain_step_us"], "round_rows": inputs.has_draft.size}
 
 
 def baseline(name: str) -> str:

@@ -1,5 +1,6 @@
 """scripts/bench_speculative.py end to end on `tiny`: plain and n-gram engines, each with its own loop's plain
-engine beside it, paired runs, the per-request step counts and the fused round timed against a forward."""
+engine beside it, paired runs, the per-request step counts and the fused round timed against a forward and
+against a whole plain step."""
 
 import json
 import os
@@ -30,3 +31,5 @@ def test_the_benchmark_pairs_each_engine_with_its_own_loops_plain_engine(tmp_pat
     assert set(timing) == {"ngram", "ngram-async"}
     assert timing["ngram"]["round_rows"] == 5  # one sequence, k = 4 drafts and its own token
     assert timing["ngram"]["round_us"] > 0 and timing["ngram"]["forward_us"] > 0
+    ngram = timing["ngram"]
+    assert ngram["plain_step_us"] > 0 and ngram["round_over_plain_step"] == ngram["round_us"] / ngram["plain_step_us"]

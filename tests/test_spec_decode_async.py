@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.core.batch import empty_batch
 from tests.hlo_checks import conditionals, dynamic_while_loops, host_round_trips
 from tests.test_spec_decode_engine import ARGS, DRAFT, GREEDY, NGRAM, _prompts, _run
 
@@ -108,8 +107,7 @@ def test_seeded_ngram_output_is_plain_decodings(plain):
 def test_a_round_holds_no_branch_and_no_device_bound_loop(spec):
     # draft forward, k draws, verify forward, acceptance and carry: one program the device runs without the host
     rnd = spec.engine.loop.round
-    empty = dataclasses.replace(empty_batch(), num_drafts=np.zeros(0, np.int32))
-    text = rnd.lower(rnd.prepare(empty, [], [], set(), size=rnd.sizes[-1])).as_text()
+    text = rnd.lower(rnd.idle_inputs(rnd.sizes[-1])).as_text()
     assert conditionals(text) == [] and dynamic_while_loops(text) == [] and host_round_trips(text) == []
 
 

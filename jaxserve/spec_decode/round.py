@@ -259,11 +259,16 @@ class FusedRound:
         rows = tuple(np.asarray(x)[:num_rows] for x in rows)
         return (*rows, *((None, None) if not want_logprobs else ()), np.asarray(verified))
 
+    def idle_inputs(self, size: int) -> RoundInputs:
+        """A round of sequence bucket `size` on no sequence: it runs the whole program, every write going to the
+        trash page (warm-up, reading or timing the program)."""
+        return self.prepare(dataclasses.replace(empty_batch(), num_drafts=np.zeros(0, np.int32)), [], [], set(),
+                            size=size)
+
     def warmup(self) -> None:
-        """Compile (and run once, on no sequence: every write goes to the trash page) each size and tier."""
-        empty = dataclasses.replace(empty_batch(), num_drafts=np.zeros(0, np.int32))
+        """Compile (and run once, on no sequence) each size and tier."""
         for size in self.sizes:
-            inputs = self.prepare(empty, [], [], set(), size=size)
+            inputs = self.idle_inputs(size)
             for tier, (_, _, processed) in TIERS.items():
                 if not processed:
                     inputs.sampling = _for_tier(size * (self.k + 1), tier)
