@@ -126,6 +126,20 @@ def test_a_requests_last_run_stops_after_the_steps_it_needs(tiny_llm, multi_llm)
     assert runs[1][1] == got.token_ids[5:7] + [0, 0]
 
 
+def test_a_run_gives_one_output_a_request_for_its_k_tokens(multi_llm):
+    # outputs are cumulative: one describes every token a run kept for the request
+    engine = multi_llm.engine
+    engine.add_request("run", prompts(1, seed=4)[0], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    seen, grew = 0, []
+    while engine.has_unfinished_requests():
+        outs = [o for o in engine.step() if o.request_id == "run"]
+        assert len(outs) <= 1
+        if outs:
+            grew.append(len(outs[0].token_ids) - seen)
+            seen = len(outs[0].token_ids)
+    assert seen == 10 and 4 in grew and sum(grew) == 10
+
+
 def test_nothing_compiles_after_warmup():
     llm = LLM(model="tiny", num_scheduler_steps=4, **{**TINY_ENGINE_ARGS, "max_num_seqs": 4})
     before = llm.engine.compile_count()

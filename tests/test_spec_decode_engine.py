@@ -158,6 +158,21 @@ def test_stops_inside_accepted_drafts_cut_there(plain, spec):
     assert spec.engine.scheduler.get_request(out.request_id) is None
 
 
+def test_a_step_gives_one_output_a_request_however_many_tokens_it_accepted(spec):
+    # outputs are cumulative: a round that keeps several tokens describes them in one output, stops checked at each
+    engine, prompt = spec.engine, _prompts(1, 60, seed=10)[0]
+    engine.add_request("several", prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    seen, grew = 0, []
+    while engine.has_unfinished_requests():
+        outs = [o for o in engine.step() if o.request_id == "several"]
+        assert len(outs) <= 1
+        if outs:
+            grew.append(len(outs[0].token_ids) - seen)
+            seen = len(outs[0].token_ids)
+    assert seen == 30 and max(grew) > 1 and sum(grew) == 30
+    assert engine.scheduler.get_request("several") is None
+
+
 def test_requests_it_cannot_verify_are_refused(spec):
     with pytest.raises(ValueError, match="not supported with speculative decoding"):
         spec.engine.add_request("pen", [1, 2, 3], SamplingParams(presence_penalty=0.5))

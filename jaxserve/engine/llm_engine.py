@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -199,17 +199,40 @@ class LLMEngine:
         return plan_rows(batch, lists), lists
 
     def emit(self, req: Request, result: StepResult, s: int, now: float) -> RequestOutput | None:
-        """Turn row `s` of a step's result into `req`'s next output: stamp the token, record its logprobs, check
-        its stops. None when the request is no longer live (aborted while its step ran); a failure (e.g. in
-        detokenizing) fails that request alone, its output carrying the error."""
+        """Turn row `s` of a step's result into `req`'s next output: stamp the token (already recorded in `req`),
+        record its logprobs, check its stops. None when the request is no longer live (aborted while its step ran);
+        a failure (e.g. in detokenizing) fails that request alone, its output carrying the error."""
         tracked = self._tracked.get(req.request_id)
         if tracked is None or tracked.request is not req or req.status.finished:
             return None
         try:
-            return self._postprocess(tracked, result, s, now)
+            return self._postprocess(tracked, result, s, now) or self._output(tracked)
         except Exception as e:  # one request's failure must not stop the others
-            log.exception("request %s failed", req.request_id)
-            return self.fail(req.request_id, f"internal error: {type(e).__name__}: {e}")
+            return self._failed(req, e)
+
+    def emit_tokens(self, req: Request, result: StepResult, rows: Sequence[int], now: float) -> RequestOutput | None:
+        """Rows `rows` of a step's result as `req`'s next tokens (a decode run's, or a verify chunk's accepted
+        drafts and its own token): each recorded in the request and checked against its stops in turn, the rest
+        dropped once one stops it; one output describes them all (outputs are cumulative, so the ones before the
+        last would only be dropped). None, as from `emit`, when the request is no longer live."""
+        tracked = self._tracked.get(req.request_id)
+        if tracked is None or tracked.request is not req or req.status.finished:
+            return None
+        try:
+            for s in rows:
+                self.scheduler.record_token(req, int(result.tokens[s]))
+                failed = self._postprocess(tracked, result, s, now)
+                if failed is not None:
+                    return failed
+                if req.status.finished:
+                    break
+            return self._output(tracked)
+        except Exception as e:  # one request's failure must not stop the others
+            return self._failed(req, e)
+
+    def _failed(self, req: Request, e: Exception) -> RequestOutput | None:
+        log.exception("request %s failed", req.request_id)
+        return self.fail(req.request_id, f"internal error: {type(e).__name__}: {e}")
 
     def fail(self, request_id: str, message: str) -> RequestOutput | None:
         """Abort a request that hit an internal error; its final output carries the error."""
@@ -239,9 +262,10 @@ class LLMEngine:
             compiled=compiled, num_prompts_done=int(batch.samples[batch.num_decodes:].sum()))
 
     # Outputs --------------------------------------------------------------------------------------------------
-    def _postprocess(self, tracked: _Tracked, result: StepResult, s: int, now: float) -> RequestOutput:
-        """Stamp a request's new token, record its logprobs, check its stops, and describe it. A request whose
-        grammar failed (a limit reached mid-output: structured/grammar.py) fails alone."""
+    def _postprocess(self, tracked: _Tracked, result: StepResult, s: int, now: float) -> RequestOutput | None:
+        """Stamp a request's new token, record its logprobs, check its stops (finishing it when one holds). A
+        request whose grammar failed (a limit reached mid-output: structured/grammar.py) fails alone: its final
+        output is returned; None otherwise."""
         req = tracked.request
         if req.grammar is not None and req.grammar.error is not None:
             return self.fail(req.request_id, f"{GRAMMAR_FAILED}: {req.grammar.error}")
@@ -258,7 +282,7 @@ class LLMEngine:
             req.finish_time = now
             self.scheduler.finish_request(req, status)
             del self._tracked[req.request_id]
-        return self._output(tracked)
+        return None
 
     def _logprob_entry(self, result: StepResult, s: int, k: int) -> dict[int, float]:
         entry = {int(result.tokens[s]): float(result.logprobs[s])}

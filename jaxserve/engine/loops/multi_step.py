@@ -38,12 +38,7 @@ class MultiStepLoop(SyncLoop):
         now = eng.clock()
         outputs = []
         for s, req in enumerate(batch.requests):
-            out = None
-            for j in range(limits[s]):
-                eng.scheduler.record_token(req, drawn[j, s])
-                out = eng.emit(req, StepResult(drawn[j], logprobs[j], None, None), s, now)
-                if out is None or out.finished:
-                    break
+            out = eng.emit_tokens(req, StepResult(drawn[:, s], logprobs[:, s], None, None), range(limits[s]), now)
             if out is not None:
                 outputs.append(out)
         eng.record_step(batch, start, compiled)

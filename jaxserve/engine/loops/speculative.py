@@ -212,7 +212,7 @@ class SpeculativeLoop(StepLoop):
         """Keep each request's accepted drafts and its own token, stop checks after each; roll back the rest (its
         pages too when `trim`; a round in flight may write into them otherwise)."""
         eng = self.engine
-        sched, kv = eng.scheduler, eng.kv_manager
+        kv = eng.kv_manager
         now = eng.clock()
         per_token = StepResult(result.tokens, result.logprobs, result.top_ids, result.top_logprobs)
         outputs = []
@@ -236,17 +236,11 @@ class SpeculativeLoop(StepLoop):
             req.spec_num_steps += int(drafted > 0)
             req.spec_num_draft_tokens += drafted
             req.spec_num_accepted_tokens += accepted
-            out = None
-            for j in range(accepted + 1):
-                sched.record_token(req, int(result.tokens[first + j]))
-                out = eng.emit(req, per_token, first + j, now)
-                if out is None or out.finished:
-                    break
-            else:
-                if trim:
-                    kv.trim(req)
+            out = eng.emit_tokens(req, per_token, range(first, first + accepted + 1), now)
             if out is not None:
                 outputs.append(out)
+                if trim and not out.finished:
+                    kv.trim(req)
         return outputs
 
     def _count(self, n: int, accepted: int) -> None:
