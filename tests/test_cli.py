@@ -4,10 +4,15 @@ same tokens, and bad input is one line on stderr with exit code 2."""
 import subprocess
 import sys
 
+import click
+import pytest
 from cli_helpers import run_cli
+from click.testing import CliRunner
 from flax import nnx
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.cli.engine_flags import config_from_options, engine_options
+from jaxserve.config.engine import EngineConfig
 from jaxserve.model.checkpoint import save_hf_checkpoint
 from jaxserve.model.llama import LlamaForCausalLM
 from modelspec.spec import PRESETS
@@ -52,6 +57,22 @@ def test_bad_flags_are_one_line_and_exit_2():
         code, err = run_cli(*args)
         assert code == 2, (args, err)
         assert len(err.strip().splitlines()) == 1 and err.startswith("error:"), err
+
+
+@pytest.mark.parametrize(("argv", "expected"), [([], EngineConfig.compilation_cache_dir),
+                                                (["--compilation-cache-dir", "none"], None),
+                                                (["--compilation-cache-dir", "/tmp/xla"], "/tmp/xla")])
+def test_the_compilation_cache_folder_is_a_flag(argv, expected):
+    seen = []
+
+    @click.command()
+    @engine_options
+    def command(**options):
+        seen.append(config_from_options(options))
+
+    result = CliRunner().invoke(command, argv)
+    assert result.exit_code == 0, result.output
+    assert seen[0].compilation_cache_dir == expected
 
 
 def test_converted_checkpoint_serves_the_same_tokens(tmp_path):

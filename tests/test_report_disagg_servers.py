@@ -119,11 +119,12 @@ def test_two_pinned_servers_give_each_pools_capacity_against_the_planner():
 
 @pytest.mark.skipif(not TWO_CORES, reason="a core for each server")
 def test_a_server_that_cannot_start_fails_the_part_in_one_line_and_leaves_nothing(monkeypatch):
-    started = []
+    started, caches = [], []
 
-    def launch(*args, **kwargs):
-        proc = real_launch(*args, **kwargs)
+    def launch(args, *rest, **kwargs):
+        proc = real_launch(args, *rest, **kwargs)
         started.append(proc)
+        caches.append(args[args.index("--compilation-cache-dir") + 1])
         return proc
 
     real_launch = disagg_servers.launch
@@ -131,6 +132,7 @@ def test_a_server_that_cannot_start_fails_the_part_in_one_line_and_leaves_nothin
     with pytest.raises(RuntimeError, match=r"exited with 2: .*no-such-model.*\(log "):
         run_disagg_servers(_context(model="no-such-model"))
     assert started and all(p.poll() is not None for p in started)
+    assert len(set(caches)) == len(caches) == 2  # servers started side by side never share a compilation cache
 
 
 def test_a_profile_calibrated_on_one_core_prices_the_pools(tmp_path):

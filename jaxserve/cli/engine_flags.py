@@ -101,6 +101,11 @@ _OPTIONS = [
     click.option("--max-pending-transfers", default=EngineConfig.max_pending_transfers, show_default=True,
                  type=click.IntRange(min=1),
                  help="With --disaggregate: prefilled requests waiting for the decode pool before prefill pauses."),
+    click.option("--compilation-cache-dir", default=EngineConfig.compilation_cache_dir, show_default=True,
+                 metavar="DIR", callback=lambda ctx, param, value: None if value.lower() == "none" else value,
+                 help="Where compiled XLA programs persist, so that a restart skips compiling them; 'none': compile "
+                      "at every start. jax writes an entry in place: processes that start side by side on one "
+                      "folder may read each other's entries half-written, so give each its own."),
     click.option("--coordinator-address", default=None, metavar="HOST:PORT",
                  help="Multi-host: process 0's jax.distributed coordinator; the mesh spans every process."),
     click.option("--num-processes", default=1, show_default=True, type=click.IntRange(min=1),
@@ -129,8 +134,8 @@ ENGINE_OPTION_NAMES = ("model", "dtype", "seed", "max_num_seqs", "max_num_batche
                        "enable_prefix_caching", "scheduling_policy", "async_scheduling", "num_scheduler_steps",
                        "speculative_config", "cpu_kernels", "attention_backend", "quantization",
                        "kv_cache_dtype", "tensor_parallel_size", "disaggregate",
-                       "prefill_devices", "decode_devices", "max_pending_transfers", "coordinator_address",
-                       "num_processes", "process_id")
+                       "prefill_devices", "decode_devices", "max_pending_transfers", "compilation_cache_dir",
+                       "coordinator_address", "num_processes", "process_id")
 
 
 def config_from_options(options: dict[str, Any], **overrides: Any) -> EngineConfig:

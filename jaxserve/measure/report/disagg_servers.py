@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 
 import jaxserve
+from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.pool_stats import POOL_COUNTERS
 from jaxserve.measure.bench.datasets import DatasetConfig, generate
 from jaxserve.measure.bench.http_client import run_http
@@ -151,7 +152,11 @@ def role_servers(cfg, prefill_cores: list[int], decode_cores: list[int], cpu: bo
     ports = {"prefill": free_port(), "decode": free_port()}
     url = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
     tp = {"prefill": len(prefill_cores), "decode": len(decode_cores)}
-    extra = {"prefill": [], "decode": ["--prefill-url", url["prefill"]]}
+    # Each role compiles into a folder of its own: the two start side by side, and jax writes a persistent cache
+    # entry in place, which the other could read half-written (docs/tuning.md).
+    cache = os.path.expanduser(EngineConfig.compilation_cache_dir)
+    extra = {role: ["--compilation-cache-dir", os.path.join(cache, f"disagg-{role}")] for role in ("prefill", "decode")}
+    extra["decode"] += ["--prefill-url", url["prefill"]]
     cores = {"prefill": prefill_cores, "decode": decode_cores}
     procs: dict[str, subprocess.Popen] = {}
     t0 = time.monotonic()
