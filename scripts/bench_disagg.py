@@ -83,9 +83,16 @@ def transfer(a: argparse.Namespace) -> None:
     flags = ["-m", "jaxserve", "serve", "--model", a.model, "--max-model-len", str(a.prompt_tokens + 256),
              "--max-num-seqs", "8", "--max-num-batched-tokens", "512"]
     url = {k: f"http://127.0.0.1:{p}" for k, p in (("p", 18101), ("d", 18102), ("w", 18104))}
-    procs = [launch(0, *flags, "--port", "18101", "--disaggregation-mode", "prefill", log="/tmp/bench-disagg-p.log"),
-             launch(1, *flags, "--port", "18102", "--disaggregation-mode", "decode", log="/tmp/bench-disagg-d.log"),
-             launch(1, *flags, "--port", "18104", "--disaggregation-mode", "decode",
+    # each server compiles into a folder of its own: jax writes a cache entry in place, which another server
+    # starting beside it could read half-written (docs/tuning.md)
+    def cache(k: str) -> list[str]:
+        return ["--compilation-cache-dir", os.path.expanduser(f"~/.cache/jaxserve/xla/bench-disagg-{k}")]
+
+    procs = [launch(0, *flags, *cache("p"), "--port", "18101", "--disaggregation-mode", "prefill",
+                    log="/tmp/bench-disagg-p.log"),
+             launch(1, *flags, *cache("d"), "--port", "18102", "--disaggregation-mode", "decode",
+                    log="/tmp/bench-disagg-d.log"),
+             launch(1, *flags, *cache("w"), "--port", "18104", "--disaggregation-mode", "decode",
                     "--no-disaggregation-chunked-transfer", log="/tmp/bench-disagg-w.log")]
     try:
         for u in url.values():
