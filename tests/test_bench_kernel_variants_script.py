@@ -1,4 +1,5 @@
-"""scripts/bench_kernel_variants.py on `tiny`: two builds of the matmul kernel side by side in one process."""
+"""scripts/bench_kernel_variants.py on `tiny`: builds of the matmul kernel (other constants, another source file)
+side by side in one process, over the projections or the tied head."""
 
 import json
 import os
@@ -30,6 +31,21 @@ def test_two_variants_are_timed_against_the_first(tmp_path):
     assert rows["g4"]["constants"] == {"kRowGroup": 4, "kRowPrefetchRows": 4} and rows["g4"]["ms"] > 0
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="jaxserve's CPU kernels are not built on this machine")
+def test_the_head_compares_another_source_file_with_the_tree(tmp_path):
+    other = tmp_path / "other.cc"
+    other.write_text((ROOT / "jaxserve" / "kernels" / "cpu" / "matmul.cc").read_text())
+    out = tmp_path / "head.json"
+    run = _run("--head", "--variant", f"other:@{other}", "--variant", "tree:", "--model", "tiny", "--layers", "2",
+               "--rounds", "2", "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["workload"] == "head" and [r["variant"] for r in report["rows"]] == ["other", "tree"]
+    assert report["rows"][0]["source"] == str(other) and report["rows"][1]["ms"] > 0
+
+
 def test_a_constant_the_kernel_lacks_is_a_usage_error():
     run = _run("--variant", "x:kNoSuchConstant=3", "--rounds", "1")
     assert run.returncode == 2 and "kNoSuchConstant" in run.stderr and "Traceback" not in run.stderr
+    missing = _run("--variant", "x:@/no/such/file.cc", "--rounds", "1")
+    assert missing.returncode == 2 and "no file" in missing.stderr and "Traceback" not in missing.stderr

@@ -59,8 +59,9 @@ def test_one_row_sums_the_weights_in_parts(inputs: int, row_parts: int) -> None:
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 16, 17, cpu_matmul.MAX_ROWS])
 @pytest.mark.parametrize("w_rows", [40, 44, 1000])
 def test_the_transposed_matmul_kernel_is_a_matmul(rows: int, w_rows: int) -> None:
-    """x @ w^T for a tied LM head: rows of x four at a time and a remainder against rows of w four at a time, or,
-    for 9-16 rows of x, x^T against rows of w eight at a time (40: five groups, split between threads; 44, not a
+    """x @ w^T for a tied LM head: one row of x against each row of w whole; 2-8 rows of x four at a time and a
+    remainder against rows of w four at a time, or, for 9-16 rows of x, x^T against rows of w eight at a time (40:
+    five groups, split between threads; 44, not a
     multiple of eight: four at a time), in bands of w's rows, four a thread (1000 rows: bands of 31-32 groups)."""
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((rows, 64), dtype=np.float32)
@@ -69,6 +70,18 @@ def test_the_transposed_matmul_kernel_is_a_matmul(rows: int, w_rows: int) -> Non
     out = jax.jit(cpu_matmul.cpu_matmul_nt)(jnp.asarray(x), jnp.asarray(w))
     np.testing.assert_allclose(np.asarray(out), x @ w.T, rtol=1e-5, atol=1e-4)
     assert not cpu_matmul.supports_nt(jnp.asarray(x), jnp.ones((42, 64), jnp.float32))  # N not in fours
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="jaxserve's CPU kernels are not built here")
+@pytest.mark.parametrize("k", [16, 48, 80, 768])
+def test_one_row_against_the_transposed_matrix_reads_each_row_whole(k: int) -> None:
+    """One row of x (a decode's tied head) reads each row of w as one dot product, four vectors at a time and the
+    rest one at a time: inputs of 1, 3, 5 and 48 vectors."""
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal((1, k), dtype=np.float32)
+    w = rng.standard_normal((1000, k), dtype=np.float32)
+    out = jax.jit(cpu_matmul.cpu_matmul_nt)(jnp.asarray(x), jnp.asarray(w))
+    np.testing.assert_allclose(np.asarray(out), x @ w.T, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="jaxserve's CPU kernels are not built here")
