@@ -206,7 +206,8 @@ class LLMEngine:
         if tracked is None or tracked.request is not req or req.status.finished:
             return None
         try:
-            return self._postprocess(tracked, result, s, now) or self._output(tracked)
+            failed = self._postprocess(tracked, result, s, now)
+            return failed if failed is not None else self._output(tracked)
         except Exception as e:  # one request's failure must not stop the others
             return self._failed(req, e)
 
