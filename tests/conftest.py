@@ -54,6 +54,19 @@ def _compilation_cache_safe_across_workers():
     model_builder.enable_compilation_cache = original
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _kernel_plans_of_their_own():
+    """Kernel plans timed here are timed while the other worker runs tests beside them: they go to a file of the
+    suite's own, kept whatever ran beside them (an engine would otherwise time its plan at every start), so that
+    an engine started outside the suite on this machine never takes them as its plan."""
+    from jaxserve.platform import cpu_contention, kernel_choice
+
+    saved = kernel_choice.PLAN_SUFFIX, cpu_contention.OTHERS_MAX_CORES
+    kernel_choice.PLAN_SUFFIX, cpu_contention.OTHERS_MAX_CORES = ".tests.plan.json", float("inf")
+    yield
+    kernel_choice.PLAN_SUFFIX, cpu_contention.OTHERS_MAX_CORES = saved
+
+
 @pytest.fixture(scope="session")
 def tiny_llm():
     from jaxserve import LLM

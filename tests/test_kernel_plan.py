@@ -165,6 +165,26 @@ def test_the_plan_is_measured_once_then_read_from_its_cache(tiny_model, tmp_path
     assert "timings cached" in caplog.text
 
 
+def test_a_plan_timed_beside_other_processes_serves_its_start_and_is_not_kept(tiny_model, tmp_path, monkeypatch,
+                                                                               caplog):
+    # such timings would choose the plan of every later start on this machine
+    class Busy:
+        def busy(self) -> bool:
+            return True
+
+        def cores(self) -> float:
+            return 1.0
+
+    monkeypatch.setattr(kernel_choice, "OthersCpu", Busy)
+    monkeypatch.setattr(kernel_choice, "time_pair", lambda kernel, xla, args, repeats: [1.0, 2.0])
+    monkeypatch.setattr(kernel_choice, "_measure_row_parts", lambda *a: {})
+    cache = tmp_path / "plan.json"
+    with caplog.at_level(logging.WARNING, logger=kernel_choice.__name__):
+        plan = kernel_choice.choose(tiny_model, (1, 4), (1,), cache=cache)
+    assert plan.matmul_rows == {1, 4} and plan.head_rows == {1}  # this start runs what it timed
+    assert not cache.exists() and "other processes used 1.00 cores" in caplog.text
+
+
 def test_the_cache_tells_models_apart(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setattr(kernel_choice, "time_pair", lambda kernel, xla, args, repeats: [1.0, 2.0])
     cache = tmp_path / "plan.json"

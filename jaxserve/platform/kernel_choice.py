@@ -39,6 +39,7 @@ from jaxserve.model.llama import linear
 from jaxserve.model.moe import MoE, grouped_experts
 from jaxserve.model.ops import MatmulRoute
 from jaxserve.model.quantize import QuantizedWeight
+from jaxserve.platform.cpu_contention import OthersCpu
 from modelspec.moe_tiles import DECODE_TILE_MAX
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,9 @@ REPEATS = 15
 # model's host step, docs/tuning.md "The kernel plan").
 HOST_WORK_S = 3e-4
 BESIDE_HOST = " beside the host"  # the cache key's suffix of a row count timed with the stand-in
+# Timings are kept beside the kernel library, in a file with this suffix. The test suite keeps its own (its two
+# workers time plans while each other run: timings no engine outside it should trust; tests/conftest.py).
+PLAN_SUFFIX = ".plan.json"
 # The kernel's own part count for one row (matmul.cc's kRowParts), which each candidate is timed against.
 DEFAULT_ROW_PARTS = 16
 
@@ -279,13 +283,14 @@ def choose(model: Any, token_buckets: Sequence[int], seq_buckets: Sequence[int],
     codes = [w for w in [*weights, head] if isinstance(w, QuantizedWeight)
              and _supports(jax.ShapeDtypeStruct((1, w.shape[0]), dtype), w)]
     int8_rows = sorted(set(matmul_rows) | set(head_rows)) if codes and _threads() > 1 else []
-    cache = cache or cpu_kernels.library_path().with_suffix(".plan.json")
+    cache = cache or cpu_kernels.library_path().with_suffix(PLAN_SUFFIX)
     data = _read(cache)
     entry = data.setdefault(signature(weights, head, tied, experts), {"matmul": {}, "head": {}})
     entry.setdefault("moe", {})
     entry.setdefault("int8_threads", {})
     entry.setdefault("row_parts", {})
     t = time.perf_counter()
+    others = OthersCpu()  # what other processes take while these timings run
     floats = [w for w in weights if not isinstance(w, QuantizedWeight)]  # the float kernel's, cut in parts
     parts_to_time = [c for c in row_part_candidates(_threads()) if str(c) not in entry["row_parts"]] \
         if 1 in matmul_rows and floats else []
@@ -325,6 +330,10 @@ def choose(model: Any, token_buckets: Sequence[int], seq_buckets: Sequence[int],
                 entry["moe"].update(_measure_moe(experts, rows, repeats, dtype))
             else:
                 entry["int8_threads"].update(_measure_int8_threads(codes, rows, repeats, dtype))
+    if measured and others.busy():  # such timings would choose every later start's plan: they serve this one only
+        logger.warning("the C++ kernels were timed while other processes used %.2f cores: the plan serves this "
+                       "start and is not cached (%s)", others.cores(), cache)
+    elif measured:
         _write(cache, data)
 
     def faster(timings: dict[str, list[float]], rows: list[int], keyed: Callable[[int], str] = str) -> frozenset[int]:
