@@ -83,8 +83,8 @@ def transfer(a: argparse.Namespace) -> None:
     flags = ["-m", "jaxserve", "serve", "--model", a.model, "--max-model-len", str(a.prompt_tokens + 256),
              "--max-num-seqs", "8", "--max-num-batched-tokens", "512"]
     url = {k: f"http://127.0.0.1:{p}" for k, p in (("p", 18101), ("d", 18102), ("w", 18104))}
-    # each server compiles into a folder of its own: jax writes a cache entry in place, which another server
-    # starting beside it could read half-written (docs/tuning.md)
+    # each server compiles into a folder of its own, as the report's do: where jax's cache class is not the one the
+    # engine makes write whole entries, another server starting beside it could read one half-written
     def cache(k: str) -> list[str]:
         return ["--compilation-cache-dir", os.path.expanduser(f"~/.cache/jaxserve/xla/bench-disagg-{k}")]
 

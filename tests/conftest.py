@@ -12,46 +12,22 @@ TINY_ENGINE_ARGS = dict(max_num_seqs=16, max_num_batched_tokens=128, chunk_size=
                         kv_cache_memory=8 * 2**20, max_model_len=1024)
 
 
-def _whole_cache_entries() -> bool:
-    """jax's persistent compilation cache writes an entry in place and reads it unlocked: a worker that read one the
-    other was still writing crashed in deserializing it (a segfault; xdist then hung on the lost worker:
-    docs/tuning.md). Here each entry is written to a temporary file and renamed into place, so a reader finds a
-    whole entry or none. False where jax's cache class is not the one this was written for."""
-    try:
-        from jax._src import lru_cache
-
-        put, suffix = lru_cache.LRUCache.put, lru_cache._CACHE_SUFFIX
-    except (ImportError, AttributeError):
-        return False
-
-    def put_whole(self, key: str, value: bytes) -> None:
-        if getattr(self, "eviction_enabled", True) or not key:  # jax's own path (locked when it evicts)
-            return put(self, key, value)
-        path = self.path / f"{key}{suffix}"
-        if not path.exists():
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_bytes(value)
-            os.replace(tmp, path)
-
-    lru_cache.LRUCache.put = put_whole
-    return True
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _compilation_cache_safe_across_workers():
-    """Workers share the persistent compilation cache with whole entries; where that cannot be arranged, each
-    worker keeps its own folder under it (each then compiles what the other did; a cold run on the Zen 5 was not
-    measurably slower for it: docs/tuning.md)."""
-    if _whole_cache_entries():
+    """Workers (and the servers tests start as subprocesses) share the persistent compilation cache, the engine
+    writing its entries whole (`runner/compilation_cache.py`); where it cannot, each worker keeps its own folder
+    under it (each then compiles what the other did; a cold run on the Zen 5 was not measurably slower for it:
+    docs/tuning.md)."""
+    from jaxserve.runner import compilation_cache
+
+    if compilation_cache.whole_entries():
         yield
         return
-    from jaxserve.runner import model_builder
-
-    original = model_builder.enable_compilation_cache
+    original = compilation_cache.enable_compilation_cache
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    model_builder.enable_compilation_cache = lambda path: original(os.path.join(path, worker) if path else path)
+    compilation_cache.enable_compilation_cache = lambda path: original(os.path.join(path, worker) if path else path)
     yield
-    model_builder.enable_compilation_cache = original
+    compilation_cache.enable_compilation_cache = original
 
 
 @pytest.fixture(scope="session", autouse=True)

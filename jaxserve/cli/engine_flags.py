@@ -104,8 +104,7 @@ _OPTIONS = [
     click.option("--compilation-cache-dir", default=EngineConfig.compilation_cache_dir, show_default=True,
                  metavar="DIR", callback=lambda ctx, param, value: None if value.lower() == "none" else value,
                  help="Where compiled XLA programs persist, so that a restart skips compiling them; 'none': compile "
-                      "at every start. jax writes an entry in place: processes that start side by side on one "
-                      "folder may read each other's entries half-written, so give each its own."),
+                      "at every start. Processes may share one (each entry is written whole)."),
     click.option("--coordinator-address", default=None, metavar="HOST:PORT",
                  help="Multi-host: process 0's jax.distributed coordinator; the mesh spans every process."),
     click.option("--num-processes", default=1, show_default=True, type=click.IntRange(min=1),

@@ -28,6 +28,7 @@ from jaxserve.model.quantize_model import quantize_model
 from jaxserve.model.synthetic import synthetic_model
 from jaxserve.platform.devices import memory_limit
 from jaxserve.platform.policy import default_dtype_of
+from jaxserve.runner import compilation_cache
 from jaxserve.runner.parallel import (
     AXIS,
     effective_spec,
@@ -100,13 +101,6 @@ def kv_budget_bytes(config: EngineConfig, spec: ModelSpec, dtype_name: str,
     return min(CPU_DEFAULT_KV_BYTES, needed)
 
 
-def enable_compilation_cache(path: str | None) -> None:
-    """Persist XLA executables across processes, so a restart (or a second engine) skips compiles."""
-    if path:
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-
-
 def checkpoint_quantization(config: EngineConfig, spec: ModelSpec) -> str | None:
     """The weight format a pre-quantized (compressed-tensors) checkpoint holds, written into `config.quantization`
     (what the engine runs, and calibrate and report price); None for float checkpoints and presets. ValueError
@@ -129,7 +123,7 @@ def checkpoint_quantization(config: EngineConfig, spec: ModelSpec) -> str | None
 
 def build_model_and_cache(config: EngineConfig, spec: ModelSpec) -> BuiltModel:
     """Model parameters on the device, an empty KV pool, and the resulting max_model_len."""
-    enable_compilation_cache(config.compilation_cache_dir)
+    compilation_cache.enable_compilation_cache(config.compilation_cache_dir)
     if config.max_model_len is not None and config.max_model_len > spec.max_position_embeddings:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's maximum positions "
                          f"({spec.max_position_embeddings})")

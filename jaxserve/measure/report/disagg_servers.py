@@ -152,8 +152,8 @@ def role_servers(cfg, prefill_cores: list[int], decode_cores: list[int], cpu: bo
     ports = {"prefill": free_port(), "decode": free_port()}
     url = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
     tp = {"prefill": len(prefill_cores), "decode": len(decode_cores)}
-    # Each role compiles into a folder of its own: the two start side by side, and jax writes a persistent cache
-    # entry in place, which the other could read half-written (docs/tuning.md).
+    # Each role compiles into a folder of its own: the two start side by side, and where jax's cache class is not
+    # the one the engine makes write whole entries, one could read an entry the other is writing (docs/tuning.md).
     cache = os.path.expanduser(EngineConfig.compilation_cache_dir)
     extra = {role: ["--compilation-cache-dir", os.path.join(cache, f"disagg-{role}")] for role in ("prefill", "decode")}
     extra["decode"] += ["--prefill-url", url["prefill"]]
