@@ -1,13 +1,13 @@
 """The persistent compilation cache: XLA executables kept in a folder across processes, each entry written whole.
 
 jax (0.10.2) writes an entry in place and reads entries without a lock unless `jax_compilation_cache_max_size` is
-set, so a process that reads an entry another process is still writing deserializes a torn file: a test worker
-died of it twice (a segfault, then "Fatal Python error: Aborted" in `compilation_cache.get_executable_and_time`),
-once behind a server a test had started as a subprocess (docs/tuning.md). Setting the size bound locks reads and
+set, so a process could read an entry another process is still writing. Setting the size bound locks reads and
 writes, but then every write lists the whole folder and reads each entry's access-time file, which entries written
 without the bound lack (an error). So the engine writes each entry to a temporary file and renames it into place:
-a reader finds a whole entry or none. That reaches into jax's private cache class (`jax._src.lru_cache.LRUCache`);
-where the class is not the one this was written for, the engine leaves it as it is and says so once.
+a reader finds a whole entry or none. (The test suite's worker crashes inside jax's cache calls that led here were
+not torn reads after all: one came while serializing a fresh executable; docs/tuning.md.) That reaches into jax's
+private cache class (`jax._src.lru_cache.LRUCache`); where the class is not the one this was written for, the
+engine leaves it as it is and says so once.
 """
 
 from __future__ import annotations
