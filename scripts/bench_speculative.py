@@ -171,7 +171,8 @@ def main() -> None:
     ap.add_argument("--paired", action="store_true",
                     help="pair every speculative run with a plain run of the same prompt; report the median ratio")
     ap.add_argument("--time-round", type=int, default=0, metavar="N",
-                    help="also time each speculative engine's fused round against its one-token forward, N times")
+                    help="also time each speculative engine's fused round against its one-token forward and a "
+                         "whole plain step, alone and beside host work, N times")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     base = dict(model=a.model, max_num_seqs=4, max_num_batched_tokens=512, chunk_size=512)

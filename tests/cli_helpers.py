@@ -6,9 +6,13 @@ from __future__ import annotations
 import contextlib
 import io
 
+import click
 import pytest
+from click.testing import CliRunner
 
+from jaxserve.cli.engine_flags import config_from_options, engine_options
 from jaxserve.cli.main import main
+from jaxserve.config.engine import EngineConfig
 
 
 def run_cli(*args: str) -> tuple[int, str]:
@@ -18,3 +22,17 @@ def run_cli(*args: str) -> tuple[int, str]:
         main(list(args))
     code = exited.value.code
     return (0 if code is None else int(code)), err.getvalue()
+
+
+def engine_config_from_flags(*argv: str) -> tuple[EngineConfig | None, str]:
+    """The EngineConfig the engine flags `argv` build (as every engine command parses them), or None when they are
+    refused; and what the command wrote."""
+    seen: list[EngineConfig] = []
+
+    @click.command()
+    @engine_options
+    def command(**options):
+        seen.append(config_from_options(options))
+
+    result = CliRunner().invoke(command, list(argv))
+    return (seen[0] if result.exit_code == 0 and seen else None), result.output

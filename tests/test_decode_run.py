@@ -10,6 +10,7 @@ from jaxserve.config.engine import EngineConfig
 from jaxserve.core.batch import RaggedBatch
 from jaxserve.runner.decode_run import DecodeRun
 from tests.conftest import TINY_ENGINE_ARGS
+from tests.step_outputs import tokens_each_step
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -128,16 +129,9 @@ def test_a_requests_last_run_stops_after_the_steps_it_needs(tiny_llm, multi_llm)
 
 def test_a_run_gives_one_output_a_request_for_its_k_tokens(multi_llm):
     # outputs are cumulative: one describes every token a run kept for the request
-    engine = multi_llm.engine
-    engine.add_request("run", prompts(1, seed=4)[0], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-    seen, grew = 0, []
-    while engine.has_unfinished_requests():
-        outs = [o for o in engine.step() if o.request_id == "run"]
-        assert len(outs) <= 1
-        if outs:
-            grew.append(len(outs[0].token_ids) - seen)
-            seen = len(outs[0].token_ids)
-    assert seen == 10 and 4 in grew and sum(grew) == 10
+    grew = tokens_each_step(multi_llm.engine, "run", prompts(1, seed=4)[0],
+                            SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert 4 in grew and sum(grew) == 10
 
 
 def test_nothing_compiles_after_warmup():

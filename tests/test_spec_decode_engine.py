@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from tests.step_outputs import tokens_each_step
 
 # A small pool (33 pages of 16 tokens) so that four long requests preempt one another; chunks of 32 tokens.
 ARGS = dict(max_num_seqs=4, max_num_batched_tokens=64, chunk_size=32, page_size=16, kv_cache_memory=33 * 8192,
@@ -160,17 +161,10 @@ def test_stops_inside_accepted_drafts_cut_there(plain, spec):
 
 def test_a_step_gives_one_output_a_request_however_many_tokens_it_accepted(spec):
     # outputs are cumulative: a round that keeps several tokens describes them in one output, stops checked at each
-    engine, prompt = spec.engine, _prompts(1, 60, seed=10)[0]
-    engine.add_request("several", prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
-    seen, grew = 0, []
-    while engine.has_unfinished_requests():
-        outs = [o for o in engine.step() if o.request_id == "several"]
-        assert len(outs) <= 1
-        if outs:
-            grew.append(len(outs[0].token_ids) - seen)
-            seen = len(outs[0].token_ids)
-    assert seen == 30 and max(grew) > 1 and sum(grew) == 30
-    assert engine.scheduler.get_request("several") is None
+    grew = tokens_each_step(spec.engine, "several", _prompts(1, 60, seed=10)[0],
+                            SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    assert max(grew) > 1 and sum(grew) == 30
+    assert spec.engine.scheduler.get_request("several") is None
 
 
 def test_requests_it_cannot_verify_are_refused(spec):
