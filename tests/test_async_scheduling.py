@@ -111,7 +111,7 @@ def test_abort_while_a_step_is_in_flight_frees_pages_and_the_id_can_be_reused(as
 
 def test_nothing_compiles_after_warmup_with_async_scheduling():
     """A fresh engine: the first step that reads a previous step's tokens on the device must not compile."""
-    llm = LLM(model="tiny", async_scheduling=True, **{**TINY_ENGINE_ARGS, "max_num_seqs": 4})
+    llm = LLM(model="tiny", async_scheduling=True, **{**TINY_ENGINE_ARGS, "max_num_seqs": 4, "warmup": True})
     before = llm.engine.runner.compile_count()
     llm.generate(prompts(6, seed=3), SamplingParams(temperature=0.7, max_tokens=5, seed=1, logprobs=2))
     llm.generate(prompts(1, seed=4), GREEDY)

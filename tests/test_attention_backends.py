@@ -100,8 +100,7 @@ def lowered_step(runner, backend, num_tokens: int) -> str:
 @pytest.fixture(scope="module")
 def xla_runner():
     """A `tiny` runner whose matmuls stay in XLA (the CPU kernels' custom calls have no CUDA lowering)."""
-    return LLM(model="tiny", attention_backend="reference", cpu_kernels=False, **TINY_ENGINE_ARGS,
-               warmup=False).engine.runner
+    return LLM(model="tiny", attention_backend="reference", cpu_kernels=False, **TINY_ENGINE_ARGS).engine.runner
 
 
 @pytest.mark.parametrize("num_tokens", [1, 8, 128])  # the batch-1 decode, a decode batch, a prefill bucket

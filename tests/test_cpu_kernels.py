@@ -38,7 +38,7 @@ def planned_llm(matmul_rows: range | set[int], head_rows: range | set[int]) -> L
     plan = KernelPlan(cpu_kernels.isa() or "", frozenset(matmul_rows), frozenset(head_rows))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kernel_choice, "choose", lambda *args, **kwargs: plan)
-        return LLM(model="tiny", **TINY_ENGINE_ARGS, warmup=False)
+        return LLM(model="tiny", **TINY_ENGINE_ARGS)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_a_tied_lm_head_reads_the_embedding_through_the_kernel(every_row_llm):
 
 
 def test_the_kernels_can_be_turned_off():
-    llm = LLM(model="tiny", **TINY_ENGINE_ARGS, warmup=False, cpu_kernels=False)
+    llm = LLM(model="tiny", **TINY_ENGINE_ARGS, cpu_kernels=False)
     hlo = forward_hlo(llm)
     assert cpu_attention.TARGET not in hlo and cpu_matmul.TARGET not in hlo
 
@@ -110,7 +110,7 @@ def test_without_a_compiler_the_model_stays_in_xla(monkeypatch, caplog, tmp_path
     assert not cpu_kernels.load(tmp_path)
     assert "CPU kernels are unavailable (no C++ compiler" in caplog.text
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    llm = LLM(model="tiny", **TINY_ENGINE_ARGS, warmup=False)
+    llm = LLM(model="tiny", **TINY_ENGINE_ARGS)
     hlo = forward_hlo(llm)
     assert cpu_attention.TARGET not in hlo and cpu_matmul.TARGET not in hlo
 

@@ -135,7 +135,7 @@ def test_a_run_gives_one_output_a_request_for_its_k_tokens(multi_llm):
 
 
 def test_nothing_compiles_after_warmup():
-    llm = LLM(model="tiny", num_scheduler_steps=4, **{**TINY_ENGINE_ARGS, "max_num_seqs": 4})
+    llm = LLM(model="tiny", num_scheduler_steps=4, **{**TINY_ENGINE_ARGS, "max_num_seqs": 4, "warmup": True})
     before = llm.engine.compile_count()
     llm.generate(prompts(6, seed=3), SamplingParams(temperature=0.7, max_tokens=9, seed=1))
     llm.generate(prompts(1, seed=4), GREEDY)

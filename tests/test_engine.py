@@ -147,7 +147,7 @@ def test_step_stats_describe_the_step_and_the_budget_can_change(tiny_llm):
 
 def test_warmup_work_touches_only_the_trash_page():
     """Warm-up runs small buckets with real work; all of its KV lands in page 0, never in a page a request gets."""
-    llm = LLM(model="tiny", **{**TINY_ENGINE_ARGS, "chunk_size": 32, "max_num_batched_tokens": 32})
+    llm = LLM(model="tiny", **{**TINY_ENGINE_ARGS, "chunk_size": 32, "max_num_batched_tokens": 32, "warmup": True})
     k, v = (np.asarray(x) for x in llm.engine.runner.kv_caches[0])
     assert np.abs(k[0]).sum() > 0 and np.abs(v[0]).sum() > 0
     assert not k[1:].any() and not v[1:].any()

@@ -177,7 +177,7 @@ def test_an_moe_engine_runs_its_experts_in_the_grouped_kernel_at_its_plans_step_
     def run(moe_rows: set[int]) -> tuple[list[list[int]], str]:
         plan = KernelPlan(cpu_kernels.isa() or "", frozenset(), frozenset(), frozenset(moe_rows))
         monkeypatch.setattr(kernel_choice, "choose", lambda *args, **kwargs: plan)
-        llm = LLM(model="tiny-moe", **TINY_ENGINE_ARGS, warmup=False)
+        llm = LLM(model="tiny-moe", **TINY_ENGINE_ARGS)
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         runner = llm.engine.runner
         batch = trash_prefill(4, runner.page_size, runner.max_num_seqs, runner.pages_per_seq * runner.page_size)

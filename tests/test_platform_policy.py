@@ -50,7 +50,7 @@ def test_the_engine_takes_its_loop_and_buckets_from_the_policy(tiny_llm: LLM):
 
 
 def test_an_explicit_loop_wins_over_the_platforms_default():
-    llm = LLM(model="tiny", async_scheduling=True, warmup=False, **TINY_ENGINE_ARGS)
+    llm = LLM(model="tiny", async_scheduling=True, **TINY_ENGINE_ARGS)
     assert llm.engine.loop.name == "overlapped"
 
 

@@ -154,7 +154,7 @@ def test_a_processed_request_draws_the_same_beside_others(tiny_llm: LLM) -> None
 
 @pytest.mark.parametrize("engine_args", [dict(num_scheduler_steps=4), dict(async_scheduling=True)])
 def test_other_loops_draw_what_the_synchronous_one_does(tiny_llm: LLM, engine_args: dict) -> None:
-    llm = LLM(model="tiny", **{**TINY_ENGINE_ARGS, "max_num_seqs": 4}, **engine_args)
+    llm = LLM(model="tiny", **{**TINY_ENGINE_ARGS, "max_num_seqs": 4, "warmup": True}, **engine_args)
     before = llm.engine.compile_count()
     params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, frequency_penalty=1.0),
               SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
