@@ -65,6 +65,13 @@ def test_the_compilation_cache_folder_is_a_flag(argv, expected):
     assert config.compilation_cache_dir == expected
 
 
+@pytest.mark.parametrize(("argv", "expected"), [([], True), (["--no-warmup"], False), (["--warmup"], True)])
+def test_warming_up_is_a_flag(argv, expected):
+    config, output = engine_config_from_flags(*argv)
+    assert config is not None, output
+    assert config.warmup is expected
+
+
 def test_converted_checkpoint_serves_the_same_tokens(tmp_path):
     spec = PRESETS["tiny"]
     hf = save_hf_checkpoint(LlamaForCausalLM(spec, "float32", rngs=nnx.Rngs(3)), spec, tmp_path / "hf")

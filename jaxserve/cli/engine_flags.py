@@ -105,6 +105,9 @@ _OPTIONS = [
                  metavar="DIR", callback=lambda ctx, param, value: None if value.lower() == "none" else value,
                  help="Where compiled XLA programs persist, so that a restart skips compiling them; 'none': compile "
                       "at every start. Processes may share one (each entry is written whole)."),
+    click.option("--warmup/--no-warmup", default=EngineConfig.warmup, show_default=True,
+                 help="Compile every token bucket and sampler variant at start, so no request waits for a compile; "
+                      "--no-warmup starts in about a second and compiles each shape when a step first needs it."),
     click.option("--coordinator-address", default=None, metavar="HOST:PORT",
                  help="Multi-host: process 0's jax.distributed coordinator; the mesh spans every process."),
     click.option("--num-processes", default=1, show_default=True, type=click.IntRange(min=1),
@@ -133,7 +136,7 @@ ENGINE_OPTION_NAMES = ("model", "dtype", "seed", "max_num_seqs", "max_num_batche
                        "enable_prefix_caching", "scheduling_policy", "async_scheduling", "num_scheduler_steps",
                        "speculative_config", "cpu_kernels", "attention_backend", "quantization",
                        "kv_cache_dtype", "tensor_parallel_size", "disaggregate",
-                       "prefill_devices", "decode_devices", "max_pending_transfers", "compilation_cache_dir",
+                       "prefill_devices", "decode_devices", "max_pending_transfers", "compilation_cache_dir", "warmup",
                        "coordinator_address", "num_processes", "process_id")
 
 
