@@ -107,7 +107,7 @@ _OPTIONS = [
                       "at every start. Processes may share one (each entry is written whole)."),
     click.option("--warmup/--no-warmup", default=EngineConfig.warmup, show_default=True,
                  help="Compile every token bucket and sampler variant at start, so no request waits for a compile; "
-                      "--no-warmup starts in about a second and compiles each shape when a step first needs it."),
+                      "--no-warmup starts sooner and compiles each shape when a step first needs it."),
     click.option("--coordinator-address", default=None, metavar="HOST:PORT",
                  help="Multi-host: process 0's jax.distributed coordinator; the mesh spans every process."),
     click.option("--num-processes", default=1, show_default=True, type=click.IntRange(min=1),
