@@ -1,6 +1,6 @@
 """The one-row matmul kernel with other values of `matmul.cc`'s constants, timed in one process, alternating.
 
-    python scripts/bench_kernel_variants.py --variant g8:kRowGroup=8 --variant g4:kRowGroup=4 \
+    python scripts/bench_kernel_variants.py --variant built: --variant g4:kRowGroupNarrow=4,kRowGroupWide=4 \
         --variant p16:kRowPrefetchRows=16 --model small --rounds 60 --out reports/kernel_variants.json
     git show REV:jaxserve/kernels/cpu/matmul.cc > /tmp/old.cc
     python scripts/bench_kernel_variants.py --head --variant old:@/tmp/old.cc --variant new:
