@@ -35,6 +35,8 @@ using jaxserve::Vec;
 using jaxserve::WithBlock;
 
 constexpr int kRowBlock = 16;  // rows of w per sweep over a band (more streams than this slowed `small`'s)
+// AVX2 with one or two passes of rows: half the streams read faster on a Zen 3 (three or more passes slower).
+constexpr int kRowBlockFewNarrow = 8;
 constexpr int kTileVecs = kLineFloats / kLanes;  // vectors of y's 16 columns
 // Rows of y a pass keeps in registers: their accumulators, w's vectors and x's broadcast in the register file
 // (AVX-512: 16, the most measured; AVX2: 6).
@@ -48,9 +50,10 @@ struct Problem {
 };
 
 // Rows [m0, m0 + MB) of y, columns [c0, c1) (a multiple of 16 wide), for rows [k0, k0 + kb) of w, added to what
-// y holds unless k0 is 0; with `prefetch`, the next block's rows of w are requested into L2.
+// y holds unless k0 is 0; with `prefetch`, the next block's rows of w (`block` rows on) are requested into L2.
 template <int MB>
-inline void Sweep(const Problem& p, int64_t m0, int64_t c0, int64_t c1, int64_t k0, int kb, bool prefetch) {
+inline void Sweep(const Problem& p, int64_t m0, int64_t c0, int64_t c1, int64_t k0, int kb, int block,
+                  bool prefetch) {
   const float* x = p.x + m0 * p.k + k0;
   float* y = p.y + m0 * p.n;
   for (int64_t c = c0; c < c1; c += kLineFloats) {
@@ -59,7 +62,7 @@ inline void Sweep(const Problem& p, int64_t m0, int64_t c0, int64_t c1, int64_t 
       for (int v = 0; v < kTileVecs; ++v) acc[i][v] = k0 ? Load(y + i * p.n + c + v * kLanes) : Vec{};
     const float* w = p.w + k0 * p.n + c;
     for (int r = 0; r < kb; ++r) {
-      if (prefetch) __builtin_prefetch(w + (r + kRowBlock) * p.n, 0, 2);
+      if (prefetch) __builtin_prefetch(w + (r + block) * p.n, 0, 2);
       Vec wv[kTileVecs];
       for (int v = 0; v < kTileVecs; ++v) wv[v] = Load(w + r * p.n + v * kLanes);
       for (int i = 0; i < MB; ++i) {
@@ -76,13 +79,14 @@ inline void Sweep(const Problem& p, int64_t m0, int64_t c0, int64_t c1, int64_t 
 // under AVX-512 are two of 12, not 16 and 8); the first pass prefetches the next block, the others find the
 // block in L2.
 void Band(const Problem& p, int passes, int64_t c0, int64_t c1) {
-  for (int64_t k0 = 0; k0 < p.k; k0 += kRowBlock) {
-    const int kb = static_cast<int>(std::min<int64_t>(kRowBlock, p.k - k0));
-    const bool prefetch = k0 + 2 * kRowBlock <= p.k;
+  const int block = kVecRegs < 32 && passes <= 2 ? kRowBlockFewNarrow : kRowBlock;
+  for (int64_t k0 = 0; k0 < p.k; k0 += block) {
+    const int kb = static_cast<int>(std::min<int64_t>(block, p.k - k0));
+    const bool prefetch = k0 + 2 * block <= p.k;
     for (int i = 0; i < passes; ++i) {
       const int64_t m0 = p.m * i / passes, m1 = p.m * (i + 1) / passes;
       WithBlock<kMaxRows>(static_cast<int>(m1 - m0), [&](auto mb) {
-        Sweep<decltype(mb)::value>(p, m0, c0, c1, k0, kb, prefetch && i == 0);
+        Sweep<decltype(mb)::value>(p, m0, c0, c1, k0, kb, block, prefetch && i == 0);
       });
     }
   }
