@@ -2,16 +2,16 @@
 // head's embedding) for the few rows of decode steps and small chunks on a CPU, as XLA FFI custom calls.
 //
 // XLA's CPU dots (Eigen, YNNPACK) ran a decode step's 2-32-row projections far below the memory bandwidth that
-// streaming the weights once needs (docs/tuning.md). Here each thread takes a band of w's columns and walks it
-// in blocks of kRowBlock rows of w: for every 16 columns (a cache line) it accumulates up to kMaxRows rows of y in
-// registers over the block, so w streams from memory as kRowBlock sequential row segments (the prefetcher follows
-// those; the next block's rows are prefetched into L2 as the current one is read) and y stays in cache between
-// blocks. More rows than kMaxRows take more passes over each block while it is in L2, so w is read from memory
-// once. For w^T each thread takes a band of w's rows and walks them four at a time, the rows of x a few at a time
-// against them (from L1), as vector partial dot products summed across lanes at the end of each row; for 9-16
-// rows of x, a few rows of w at a time are broadcast against x^T instead (BcastRows). One row of x against w
-// takes w's rows in contiguous parts instead of its columns in bands (RunOneRow). Block sizes follow the vector
-// registers of the instruction set built for (vec.h).
+// streaming the weights once needs (docs/tuning.md). Here each thread takes a band of w's columns and walks it in
+// blocks of kRowBlock rows of w (kRowBlockFewNarrow for a few rows under AVX2): for every 16 columns (a cache
+// line) it accumulates up to kMaxRows rows of y in registers over the block, so w streams from memory as kRowBlock
+// sequential row segments (the prefetcher follows those; the next block's rows are prefetched into L2 as the
+// current one is read) and y stays in cache between blocks. More rows than kMaxRows take more passes over each
+// block while it is in L2, so w is read from memory once. For w^T each thread takes a band of w's rows and walks
+// them four at a time, the rows of x a few at a time against them (from L1), as vector partial dot products summed
+// across lanes at the end of each row; for 9-16 rows of x, a few rows of w at a time are broadcast against x^T
+// instead (BcastRows). One row of x against w takes w's rows in contiguous parts instead of its columns in bands
+// (RunOneRow). Block sizes follow the vector registers of the instruction set built for (vec.h).
 
 #include <algorithm>
 #include <cstdint>
