@@ -35,7 +35,8 @@ using jaxserve::Vec;
 using jaxserve::WithBlock;
 
 constexpr int kRowBlock = 16;  // rows of w per sweep over a band (more streams than this slowed `small`'s)
-// AVX2 with one or two passes of rows: half the streams read faster on a Zen 3 (three or more passes slower).
+// 16 vector registers (AVX2, portable x86), one or two passes of rows: half the streams read faster on a Zen 3
+// (three or more passes slower).
 constexpr int kRowBlockFewNarrow = 8;
 constexpr int kTileVecs = kLineFloats / kLanes;  // vectors of y's 16 columns
 // Rows of y a pass keeps in registers: their accumulators, w's vectors and x's broadcast in the register file
@@ -198,7 +199,7 @@ constexpr int kMinPartRows = 32;
 // Rows of w summed into y per pass over it, and how far ahead of them one row of x prefetches w into L2: a
 // part's rows are separate streams the hardware prefetcher followed too late (docs/tuning.md).
 constexpr int kRowGroupWide = 8;    // 32 vector registers (AVX-512)
-constexpr int kRowGroupNarrow = 4;  // 16 (AVX2): four rows a pass read faster on a Zen 3 (docs/tuning.md)
+constexpr int kRowGroupNarrow = 4;  // 16 (AVX2, portable x86): four rows read faster on a Zen 3 (docs/tuning.md)
 constexpr int kRowGroup = kVecRegs >= 32 ? kRowGroupWide : kRowGroupNarrow;
 constexpr int kRowPrefetchRows = 8;
 // Bands of w's rows per thread for x @ w^T: its bands are contiguous in memory however many there are, and more
