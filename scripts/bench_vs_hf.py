@@ -19,10 +19,16 @@ read), so the floor and the TPOT see the same machine: its streaming sum read 39
 
     python scripts/bench_vs_hf.py --skip-hf --batches 1 --measure-bandwidth --async-scheduling --repeats 10
 
-`--repeats N` runs each engine N timed times per batch after one warm-up run of the same prompts: jaxserve
-(each run with its own bandwidth measurement), then HF, then llama.cpp, all in the same process. A row holds
-each engine's medians (TPOT, end to end, TPOT / floor each on its own) and every run under "runs", "hf_runs"
-and "llamacpp_runs", so one slow sample of any engine cannot decide a ratio: the ratios are of medians. Each run
+`--repeats N` runs each engine N timed times per batch after one warm-up run of the same prompts, all in the same
+process. jaxserve and llama.cpp take turns, round by round (the first of a round alternating), each run with its
+own bandwidth measurement and floor: on a machine whose bandwidth drifts over minutes (a Zen 3 EPYC's streaming
+sum read 22.7 GB/s before a breakdown's jaxserve part and 27.2 after its llama.cpp part, docs/results.md), a ratio
+of runs minutes apart measured the machine as much as the engines. HF runs after both (its torch threads beside
+jaxserve's slowed jaxserve's step), and llama.cpp's GGUF and HF's reference tokens are made in a child process
+before jaxserve starts, so without HF the benchmark's process never loads torch. A row holds each engine's
+medians (TPOT, end to end, TPOT / floor each on its own), every run under "runs", "hf_runs" and "llamacpp_runs",
+the ratio of medians (`speedup_vs_llamacpp_e2e`) and the median of the rounds' paired ratios
+(`speedup_vs_llamacpp_e2e_paired`), so one slow sample of any engine cannot decide a ratio. Each run
 records the machine's one-minute load average after it (`*_load_1m`): llama.cpp's threads wait for each other
 spinning, and on a shared machine its step slowed tenfold and more where jaxserve's slowed under twofold
 (docs/tuning.md), so a ratio holds only for runs at the same, low load.
@@ -54,38 +60,12 @@ from pathlib import Path
 import numpy as np
 
 
-def hf_model(spec, threads: int):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.set_num_threads(threads)
-    cfg = LlamaConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-                      intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
-                      num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
-                      head_dim=spec.head_dim, max_position_embeddings=spec.max_position_embeddings,
-                      rms_norm_eps=spec.rms_norm_eps, rope_theta=spec.rope_theta,
-                      tie_word_embeddings=spec.tie_word_embeddings)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).eval()
-
-
 def medians(run: Callable[[], dict[str, float]], repeats: int) -> tuple[dict[str, float], list[dict[str, float]]]:
     """`run()` once untimed (the same shapes: caches, threads, allocations), then `repeats` times: the median of
     each of its figures, and every run."""
     run()
     runs = [run() for _ in range(repeats)]
     return {k: float(np.median([r[k] for r in runs])) for k in runs[0]}, runs
-
-
-def hf_run(model, prompts: list[list[int]], new_tokens: int) -> float:
-    import torch
-
-    ids = torch.tensor(prompts)
-    with torch.inference_mode():
-        t = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-        return time.perf_counter() - t
 
 
 def decode_floor(spec, batch: int, mean_context: float, bandwidth: float, tpot_s: float) -> dict:
@@ -98,18 +78,12 @@ def decode_floor(spec, batch: int, mean_context: float, bandwidth: float, tpot_s
             "tpot_over_floor": tpot_s / floor}
 
 
-def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """HF's greedy continuation of each prompt."""
-    import torch
-
-    ids = torch.tensor(prompts)
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    return out[:, ids.shape[1]:].tolist()
+CHECK_TOKENS = 16  # llama.cpp's first greedy tokens checked against HF's, so both run the same model
 
 
 def hf_rows(hf, rows: list[dict], prompt_sets: list[list[list[int]]], args) -> None:
+    from hf_peer import hf_run
+
     """Time HF's `generate` on each row's prompts as jaxserve's are timed: a warm-up, `--repeats` runs, medians.
     A run's TPOT is its end to end less a one-token run's, over the other tokens."""
     def run(prompts: list[list[int]]) -> dict[str, float]:
@@ -124,31 +98,41 @@ def hf_rows(hf, rows: list[dict], prompt_sets: list[list[list[int]]], args) -> N
                    speedup_e2e=res["hf_e2e_s"] / row["jaxserve_e2e_s"])
         if args.repeats > 1:
             row["hf_runs"] = runs
-        if not args.llamacpp:
-            print(json.dumps(row), flush=True)
+        print(json.dumps(row), flush=True)
 
 
-def llamacpp_rows(hf, rows: list[dict], prompt_sets: list[list[list[int]]], args) -> None:
-    """Convert HF's model to GGUF F32 and time llama.cpp on each row's prompts as jaxserve's are timed (a warm-up,
-    `--repeats` runs, medians). The first 16 greedy tokens are checked against HF's, so the figures are of the
-    same model."""
-    from llamacpp_peer import LlamaCppRunner, convert_to_gguf
+def timed_with_floor(run: Callable[[], dict[str, float]], spec, batch: int, args, bandwidth: float | None,
+                     prefix: str) -> tuple[dict[str, float], float | None]:
+    """`run()` (its TPOT under f"{prefix or 'jaxserve_'}tpot_ms"), with `--measure-bandwidth`'s bandwidth measured
+    just before and after it (the higher of the streaming sum's mean and the kernel's own best read) and its floor
+    under `prefix`. Returns (the figures, the bandwidth now)."""
+    from jaxserve.measure.calibrate.microbench import measure_bandwidth, measure_weight_read
 
-    with tempfile.TemporaryDirectory() as tmp:
-        gguf = convert_to_gguf(hf, Path(tmp), Path(args.llamacpp_src))
-        for row, prompts in zip(rows, prompt_sets, strict=True):
-            runner = LlamaCppRunner(gguf, len(prompts), args.prompt_len + args.new_tokens, args.threads)
-            res, runs = medians(lambda r=runner, p=prompts: {**r.generate(p, args.new_tokens),
-                                                             "llamacpp_load_1m": os.getloadavg()[0]}, args.repeats)
-            runner.close()
-            if args.repeats > 1:
-                row["llamacpp_runs"] = runs
-            ref = hf_greedy(hf, prompts, 16)
-            same = sum(a == b for r, o in zip(ref, runner.tokens, strict=True) for a, b in zip(r, o[:16], strict=True))
-            row.update(res, llamacpp_first16_match_hf=same / (16 * len(prompts)),
-                       llamacpp_tokens_per_s=row["batch"] * args.new_tokens / res["llamacpp_e2e_s"],
-                       speedup_vs_llamacpp_e2e=res["llamacpp_e2e_s"] / row["jaxserve_e2e_s"])
-            print(json.dumps(row), flush=True)
+    before = measure_bandwidth(2**30) if args.measure_bandwidth else None
+    res = run()
+    if before is not None:
+        bandwidth = max((before + measure_bandwidth(2**30)) / 2, measure_weight_read(2**30) or 0.0)
+    if bandwidth:
+        floor = decode_floor(spec, batch, args.prompt_len + args.new_tokens / 2, bandwidth,
+                             res[f"{prefix or 'jaxserve_'}tpot_ms"] / 1e3)
+        res.update({f"{prefix}{k}": v for k, v in floor.items()})
+    return res, bandwidth
+
+
+def jaxserve_run(llm, prompts: list[list[int]], params, new_tokens: int) -> dict[str, float]:
+    """One timed `LLM.generate` of `prompts`, every prompt prefilled (the prefix cache emptied first)."""
+    llm.engine.kv_manager.reset_prefix_cache()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t
+    return {"jaxserve_e2e_s": wall, "jaxserve_tpot_ms": float(np.mean([o.metrics.tpot for o in outs])) * 1e3,
+            "jaxserve_tokens_per_s": len(prompts) * new_tokens / wall,
+            "jaxserve_ttft_ms": float(np.mean([o.metrics.ttft for o in outs])) * 1e3,
+            "jaxserve_load_1m": os.getloadavg()[0]}
+
+
+def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
 
 
 def main() -> None:
@@ -182,7 +166,6 @@ def main() -> None:
 
     from jaxserve import LLM, SamplingParams
     from jaxserve.kernels.cpu import library as cpu_kernels
-    from jaxserve.measure.calibrate.microbench import measure_bandwidth, measure_weight_read
     from modelspec.spec import load_model_spec
 
     if not args.no_cpu_kernels and not cpu_kernels.load(cpu_kernels.CACHE_DIR, args.kernel_variant):
@@ -195,6 +178,13 @@ def main() -> None:
             bandwidth = json.load(f)["memory_bandwidth_gbps"] * 1e9
     batches = [int(b) for b in args.batches.split(",")]
     rng = np.random.default_rng(0)
+    prompt_sets = [[rng.integers(0, 256, args.prompt_len).tolist() for _ in range(b)] for b in batches]
+    peer_dir = tempfile.TemporaryDirectory() if args.llamacpp else None
+    if peer_dir is not None:  # before jaxserve starts: the child's torch has the cores to itself
+        from llamacpp_peer import LlamaCppRunner, prepare_in_child
+
+        gguf, hf_first = prepare_in_child(args.model, Path(args.llamacpp_src), Path(peer_dir.name), prompt_sets,
+                                          CHECK_TOKENS, args.threads)
     rows = []
     llm = LLM(model=args.model, max_num_seqs=max(batches), max_num_batched_tokens=2048, chunk_size=512,
               async_scheduling=args.async_scheduling, num_scheduler_steps=args.num_scheduler_steps,
@@ -205,41 +195,49 @@ def main() -> None:
                "kernel_plan": plan.describe() if plan else "XLA only"}
     print(json.dumps(machine), flush=True)
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
-    prompt_sets = [[rng.integers(0, 256, args.prompt_len).tolist() for _ in range(b)] for b in batches]
-    # jaxserve's runs first, then HF's: with HF's torch model built in the process first, jaxserve's one-request
-    # TPOT was slower (docs/results.md).
-    for b, prompts in zip(batches, prompt_sets, strict=True):
-        llm.generate(prompts, params)  # warm, as the peers' first run: same shapes, as many steps
-        runs = []
-        for _ in range(args.repeats):
-            llm.engine.kv_manager.reset_prefix_cache()  # every run prefills its prompts
-            before = measure_bandwidth(2**30) if args.measure_bandwidth else None
-            t = time.perf_counter()
-            outs = llm.generate(prompts, params)
-            wall = time.perf_counter() - t
-            if before is not None:  # the higher of the streaming sum and the kernel's own best read
-                bandwidth = max((before + measure_bandwidth(2**30)) / 2, measure_weight_read(2**30) or 0.0)
-            tpot = float(np.mean([o.metrics.tpot for o in outs]))
-            run = {"jaxserve_e2e_s": wall, "jaxserve_tpot_ms": tpot * 1e3,
-                   "jaxserve_tokens_per_s": b * args.new_tokens / wall,
-                   "jaxserve_ttft_ms": float(np.mean([o.metrics.ttft for o in outs])) * 1e3,
-                   "jaxserve_load_1m": os.getloadavg()[0]}
-            if bandwidth:
-                run.update(decode_floor(spec, b, args.prompt_len + args.new_tokens / 2, bandwidth, tpot))
-            runs.append(run)
-        row = {"batch": b, **{k: float(np.median([r[k] for r in runs])) for k in runs[0]}}
-        if len(runs) > 1:
-            row["runs"] = runs
+    for i, (b, prompts) in enumerate(zip(batches, prompt_sets, strict=True)):
+        runner = (LlamaCppRunner(gguf, b, args.prompt_len + args.new_tokens, args.threads)
+                  if peer_dir is not None else None)
+        engines = {"jaxserve": (lambda p=prompts: jaxserve_run(llm, p, params, args.new_tokens), "")}
+        if runner is not None:
+            engines["llamacpp"] = (lambda r=runner, p=prompts: {**r.generate(p, args.new_tokens),
+                                                                "llamacpp_load_1m": os.getloadavg()[0]}, "llamacpp_")
+        for run, _ in engines.values():  # warm: the same shapes, as many steps
+            run()
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
+        for r in range(args.repeats):
+            # The engines take turns, the first of a round alternating, so a drift in the machine's bandwidth
+            # over the minutes of a row falls on both.
+            for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+                run, prefix = engines[name]
+                res, bandwidth = timed_with_floor(run, spec, b, args, bandwidth, prefix)
+                runs[name].append(res)
+        row = {"batch": b, **median_of(runs["jaxserve"])}
+        if len(runs["jaxserve"]) > 1:
+            row["runs"] = runs["jaxserve"]
+        if runner is not None:
+            same = sum(a == c for ref, out in zip(hf_first[i], runner.tokens, strict=True)
+                       for a, c in zip(ref, out[:CHECK_TOKENS], strict=True))
+            peer = median_of(runs["llamacpp"])
+            paired = [p["llamacpp_e2e_s"] / j["jaxserve_e2e_s"]
+                      for j, p in zip(runs["jaxserve"], runs["llamacpp"], strict=True)]
+            row.update(peer, llamacpp_first16_match_hf=same / (CHECK_TOKENS * b),
+                       llamacpp_tokens_per_s=b * args.new_tokens / peer["llamacpp_e2e_s"],
+                       speedup_vs_llamacpp_e2e=peer["llamacpp_e2e_s"] / row["jaxserve_e2e_s"],
+                       speedup_vs_llamacpp_e2e_paired=float(np.median(paired)))
+            if args.repeats > 1:
+                row["llamacpp_runs"] = runs["llamacpp"]
+            runner.close()
         rows.append(row)
         if args.skip_hf:
             print(json.dumps(row), flush=True)
-    if not args.skip_hf or args.llamacpp:
-        del llm
-        hf = hf_model(spec, args.threads)
+    if peer_dir is not None:
+        peer_dir.cleanup()
     if not args.skip_hf:
-        hf_rows(hf, rows, prompt_sets, args)
-    if args.llamacpp:
-        llamacpp_rows(hf, rows, prompt_sets, args)
+        del llm
+        from hf_peer import hf_model
+
+        hf_rows(hf_model(spec, args.threads), rows, prompt_sets, args)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"model": args.model, "async_scheduling": args.async_scheduling,

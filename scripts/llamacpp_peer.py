@@ -5,10 +5,16 @@ Needs `llama-cpp-python` built from source for this CPU (`CMAKE_ARGS="-DGGML_NAT
 --no-binary :all: llama-cpp-python`), `sentencepiece` (the converter imports it) and llama.cpp's
 `convert_hf_to_gguf.py` with its `gguf-py` (both in that source distribution, under `vendor/llama.cpp`;
 `--llamacpp-src` points there).
+
+`prepare_in_child` builds HF's model, converts it and takes HF's greedy tokens in a child process, so the
+benchmark's own process never loads torch (its threads and allocator beside jaxserve's slowed jaxserve's step):
+
+    python scripts/llamacpp_peer.py --model small --llamacpp-src DIR --folder /tmp/gguf --prompts prompts.json
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import os
@@ -56,6 +62,21 @@ def convert_to_gguf(hf_model, folder: Path, llamacpp_src: Path) -> Path:
     if run.returncode != 0:
         raise RuntimeError(f"llama.cpp's converter failed:\n{run.stderr[-3000:]}")
     return out
+
+
+def prepare_in_child(model: str, llamacpp_src: Path, folder: Path, prompt_sets: list[list[list[int]]],
+                     check_tokens: int, threads: int) -> tuple[Path, list[list[list[int]]]]:
+    """In a child process: preset `model`'s HF twin (`hf_peer.hf_model`) converted to `folder/model-f32.gguf`, and
+    HF's first `check_tokens` greedy tokens after every prompt of every set. Returns (the GGUF, those tokens)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "prompts.json").write_text(json.dumps(prompt_sets))
+    run = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--model", model, "--llamacpp-src",
+                          str(llamacpp_src), "--folder", str(folder), "--prompts", str(folder / "prompts.json"),
+                          "--check-tokens", str(check_tokens), "--threads", str(threads)],
+                         capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"preparing llama.cpp's model failed:\n{run.stderr[-3000:]}")
+    return folder / "model-f32.gguf", json.loads((folder / "hf_greedy.json").read_text())
 
 
 class LlamaCppRunner:
@@ -131,3 +152,28 @@ class LlamaCppRunner:
         self.lc.llama_batch_free(self.batch)
         self.lc.llama_free(self.ctx)
         self.lc.llama_model_free(self.model)
+
+
+def main() -> None:
+    """The child of `prepare_in_child`: writes `--folder`'s GGUF and `hf_greedy.json`."""
+    ap = argparse.ArgumentParser(description="HF's twin of a preset as GGUF F32, and HF's greedy tokens")
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--llamacpp-src", required=True)
+    ap.add_argument("--folder", required=True)
+    ap.add_argument("--prompts", required=True, help="JSON: a list of prompt sets, each a list of token-id lists")
+    ap.add_argument("--check-tokens", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    from hf_peer import hf_greedy, hf_model
+
+    from modelspec.spec import load_model_spec
+
+    hf = hf_model(load_model_spec(args.model), args.threads)
+    folder = Path(args.folder)
+    convert_to_gguf(hf, folder, Path(args.llamacpp_src))
+    sets = json.loads(Path(args.prompts).read_text())
+    (folder / "hf_greedy.json").write_text(json.dumps([hf_greedy(hf, prompts, args.check_tokens) for prompts in sets]))
+
+
+if __name__ == "__main__":
+    main()

@@ -72,7 +72,7 @@ def llamacpp_step(spec, src: Path, prompt_len: int, steps: int, threads: int) ->
     """llama.cpp on `spec` (random weights, GGUF F32): its eval time per token and a step's wall time, then the
     same steps observed matmul by matmul through its eval callback."""
     import llama_cpp as lc
-    from bench_vs_hf import hf_model
+    from hf_peer import hf_model
     from llama_cpp._ggml import libggml
     from llamacpp_peer import LlamaCppRunner, convert_to_gguf
 
