@@ -25,7 +25,7 @@ from jaxserve.kernels.metadata import AttentionMetadata
 from jaxserve.runner.buckets import bucket_for
 from jaxserve.runner.compiles import compiled_variants
 from jaxserve.runner.sampler import SamplingArrays
-from jaxserve.runner.sampling import DRAWS, sample_tokens
+from jaxserve.runner.sampling import DRAWS, draw_tokens
 
 MAX_DEVICE_STOP_IDS = 4  # stop token ids a request may have and still decode several steps a dispatch
 
@@ -64,7 +64,7 @@ class DecodeRun:
 
 def can_run_on_device(requests: list[Request]) -> bool:
     """Whether these requests can decode several steps a dispatch: few enough stop ids for the device's check,
-    no logprobs asked for (a decode run returns only the drawn tokens' own), and no logits processing (penalties,
+    no logprobs asked for (a decode run computes none), and no logits processing (penalties,
     bias and bans need each step's tokens on the host)."""
     return all(len(r.sampling_params.stop_token_ids) <= MAX_DEVICE_STOP_IDS and r.sampling_params.logprobs is None
                and not r.sampling_params.needs_processing for r in requests)
@@ -72,9 +72,10 @@ def can_run_on_device(requests: list[Request]) -> bool:
 
 def _decode_run_impl(runner: Any, k: int, t: int, draw: str, param_leaves, kv_caches, tokens, positions, slots,
                      page_table, limits, stop_ids, temperature, top_k, top_p, min_p, seed, step):
-    """The jitted body: k iterations of forward + logits + sampling (`draw`, as `sampling.draw_tokens`) over `t`
-    padded tokens (the token bucket a one-step dispatch of these sequences would use); returns (drawn [k, S],
-    logprobs [k, S], kv_caches), S the sampling bucket."""
+    """The jitted body: k iterations of forward + logits + draw (`draw`, as `sampling.draw_tokens`) over `t` padded
+    tokens (the token bucket a one-step dispatch of these sequences would use); returns (drawn [k, S], kv_caches),
+    S the sampling bucket. No logprobs: a run's requests asked for none (`can_run_on_device`), and the
+    vocabulary's logsumexp each iteration was not free (docs/tuning.md)."""
     model = runner.model(param_leaves)
     s_rows = temperature.shape[0]
     n_seq = runner.max_num_seqs
@@ -85,7 +86,7 @@ def _decode_run_impl(runner: Any, k: int, t: int, draw: str, param_leaves, kv_ca
     table = jnp.zeros((n_seq, page_table.shape[1]), jnp.int32).at[:s_rows].set(page_table)
 
     def body(i, carry):
-        kv, tok, done, drawn, logprobs = carry
+        kv, tok, done, drawn = carry
         live = real & ~done
         pos = positions + jnp.minimum(i, jnp.maximum(limits - 1, 0))  # a stopped sequence stays in its pages
         slot = jnp.where(live, slots[i], 0)
@@ -96,20 +97,20 @@ def _decode_run_impl(runner: Any, k: int, t: int, draw: str, param_leaves, kv_ca
             page_table=table, num_seqs=num_seqs, num_decodes=num_seqs)
         hidden, kv = model(jnp.pad(tok, (0, pad_t)), jnp.pad(pos, (0, pad_t)), kv, meta, runner.policy.ops_for(True))
         logits = model.compute_logits(hidden[:s_rows], runner.ops.matmul)
-        new, lp = sample_tokens(logits, temperature, top_k, top_p, min_p, seed, step + i, draw=draw, want_top=False,
-                                cut=runner.policy.sampler_cut)
+        new = draw_tokens(logits, temperature, top_k, top_p, min_p, seed, step + i, draw=draw,
+                          cut=runner.policy.sampler_cut)
         new = jnp.where(live, new, tok)
         stopped = jnp.any(new[:, None] == stop_ids, axis=-1) | (i + 1 >= limits)
-        return (kv, new, done | (live & stopped), drawn.at[i].set(new), logprobs.at[i].set(lp))
+        return kv, new, done | (live & stopped), drawn.at[i].set(new)
 
-    init = (kv_caches, tokens, ~real, jnp.zeros((k, s_rows), jnp.int32), jnp.zeros((k, s_rows), jnp.float32))
+    init = (kv_caches, tokens, ~real, jnp.zeros((k, s_rows), jnp.int32))
     if runner.policy.decode_run_exits_early:  # up to k iterations, none once every sequence has stopped
         _, out = jax.lax.while_loop(lambda c: (c[0] < k) & ~jnp.all(c[1][2]),
                                     lambda c: (c[0] + 1, body(c[0], c[1])), (jnp.int32(0), init))
     else:  # a static trip count: the loop never asks the device whether to go on
         out = jax.lax.fori_loop(0, k, body, init)
-    kv_caches, _, _, drawn, logprobs = out
-    return drawn, logprobs, kv_caches
+    kv_caches, _, _, drawn = out
+    return drawn, kv_caches
 
 
 class DecodeRunner:
@@ -123,19 +124,16 @@ class DecodeRunner:
     def _fn(self, t: int, draw: str) -> Any:
         if (t, draw) not in self._fns:
             fn = functools.partial(_decode_run_impl, self.runner, self.k, t, draw)
-            self._fns[t, draw] = self.runner.jit_step(fn, num_inputs=12, num_outputs=2)
+            self._fns[t, draw] = self.runner.jit_step(fn, num_inputs=12, num_outputs=1)
         return self._fns[t, draw]
 
-    def execute(self, batch: RaggedBatch, sampling: SamplingArrays, run: DecodeRun) -> tuple[np.ndarray, np.ndarray]:
-        """Run k steps; returns what each sequence drew and its logprobs, [k, S] each (rows past a sequence's stop
-        are to be dropped)."""
+    def execute(self, batch: RaggedBatch, sampling: SamplingArrays, run: DecodeRun) -> np.ndarray:
+        """Run k steps; returns what each sequence drew, [k, S] (rows past a sequence's stop are to be dropped)."""
         r = self.runner
         t = bucket_for(batch.num_seqs, r.token_buckets)
         inputs = r.put(pad_run(run, sampling, r.pages_per_seq))
-        drawn, logprobs, r.kv_caches = self._fn(t, sampling.draw)(r.param_leaves, r.kv_caches, *inputs)
-        drawn, logprobs = jax.device_get((drawn, logprobs))
-        s = batch.num_seqs
-        return np.asarray(drawn)[:, :s], np.asarray(logprobs)[:, :s]
+        drawn, r.kv_caches = self._fn(t, sampling.draw)(r.param_leaves, r.kv_caches, *inputs)
+        return np.asarray(jax.device_get(drawn))[:, : batch.num_seqs]
 
     def warmup(self) -> None:
         """Compile every sampling bucket and draw variant (with the token bucket a decode step of that many
@@ -151,7 +149,7 @@ class DecodeRunner:
             t = bucket_for(rows, r.token_buckets)
             for draw in DRAWS:
                 out = self._fn(t, draw)(r.param_leaves, r.kv_caches, *r.put(pad_run(empty, sampling, r.pages_per_seq)))
-                r.kv_caches = out[2]
+                r.kv_caches = out[1]
                 jax.block_until_ready(out[0])
 
     def compile_count(self) -> int:

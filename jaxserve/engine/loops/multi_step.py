@@ -3,6 +3,8 @@ k steps with stops checked on the device (runner/decode_run.py); otherwise a syn
 
 from __future__ import annotations
 
+import numpy as np
+
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.engine.loops.sync import SyncLoop
 from jaxserve.runner.decode_run import DecodeRun, DecodeRunner, can_run_on_device
@@ -33,12 +35,13 @@ class MultiStepLoop(SyncLoop):
         sampling = eng.sampling_for(batch)
         compiles = eng.compile_count()
         run = DecodeRun.build(batch, limits, self.decode_runner.k, eng.config.page_size)
-        drawn, logprobs = self.decode_runner.execute(batch, sampling, run)
+        drawn = self.decode_runner.execute(batch, sampling, run)
+        no_logprobs = np.full(drawn.shape[0], np.nan, np.float32)  # none asked for (can_run_on_device), none computed
         compiled = eng.compile_count() > compiles
         now = eng.clock()
         outputs = []
         for s, req in enumerate(batch.requests):
-            out = eng.emit_tokens(req, StepResult(drawn[:, s], logprobs[:, s], None, None), range(limits[s]), now)
+            out = eng.emit_tokens(req, StepResult(drawn[:, s], no_logprobs, None, None), range(limits[s]), now)
             if out is not None:
                 outputs.append(out)
         eng.record_step(batch, start, compiled)
