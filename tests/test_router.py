@@ -63,8 +63,11 @@ def fake_server(name: str, tokens: int = 5, delay: float = 0.0, break_after: int
 
 
 def sse(url: str, prompt: str = "p") -> tuple[str, list[str]]:
+    """A streamed completion's text and its error events (or the error of a response that is not a stream)."""
     text, errors = "", []
     with httpx.stream("POST", f"{url}/v1/completions", json={"prompt": prompt, "stream": True}, timeout=30) as r:
+        if r.status_code != 200:
+            return text, [f"{r.status_code}: {r.read().decode()}"]
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 event = json.loads(line[6:])
@@ -149,12 +152,16 @@ def test_pd_mode_sends_requests_to_decode_servers_naming_prefill_servers():
         assert set(header.split(",")) == {p.url, "http://127.0.0.1:9"}  # every healthy one, as fallbacks
 
 
+# Exclusive: the clients, the router and its server share one process; with the other worker compiling beside
+# them, a connect waited past the router's 5 s timeout once (a suite run, 2026-12-07), which takes a server out.
+@pytest.mark.exclusive
 @pytest.mark.parametrize("n", [64, pytest.param(256, marks=pytest.mark.slow)])
 def test_concurrent_streams_all_complete(n):
     with (LiveServer(fake_server("a", tokens=20, delay=0.05)) as a, router_server(worker_urls=(a.url,)) as r,
           concurrent.futures.ThreadPoolExecutor(n) as pool):
         results = list(pool.map(lambda i: sse(r.url, str(i)), range(n)))
-    assert [t for t, _ in results] == ["a" * 20] * n and not any(e for _, e in results)
+    assert [e for _, e in results if e] == []
+    assert [t for t, _ in results] == ["a" * 20] * n
 
 
 @pytest.mark.parametrize("args, mentions", [
