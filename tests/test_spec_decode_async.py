@@ -24,9 +24,21 @@ def plain():
     return LLM("tiny", **ARGS)
 
 
+@pytest.fixture(scope="module")
+def chained_ngram():
+    """One overlapped n-gram engine for the module: each warm engine here compiles for a minute or more."""
+    return _overlapped(NGRAM)
+
+
+@pytest.fixture(scope="module")
+def collected_ngram():
+    """The synchronous loop's n-gram engine, whose rounds the overlapped one must reproduce."""
+    return LLM("tiny", **ARGS, speculative_config=NGRAM)
+
+
 @pytest.fixture(scope="module", params=["ngram", "draft"])
 def spec(request):
-    return _overlapped(NGRAM if request.param == "ngram" else DRAFT)
+    return request.getfixturevalue("chained_ngram") if request.param == "ngram" else _overlapped(DRAFT)
 
 
 def _chained(llm: LLM) -> int:
@@ -91,14 +103,16 @@ def test_stops_inside_a_chained_round_cut_there(plain, spec):
     assert spec.engine.kv_manager.num_used_pages == 0
 
 
-def test_seeded_ngram_output_is_plain_decodings(plain):
-    ngram = _overlapped(NGRAM)
+def test_seeded_ngram_output_is_plain_decodings(plain, chained_ngram):
+    ngram = chained_ngram
     prompts = _prompts(3, 50, seed=6)
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=11 + i, max_tokens=24, ignore_eos=True)
               for i in range(3)]
     assert _run(ngram, prompts, params) == _run(plain, prompts, params)
     before = ngram.engine.compile_count()
-    outs = ngram.generate(prompts, SamplingParams(temperature=0.7, max_tokens=20, logprobs=2))
+    # seeded: what the lookup finds must not hang on what the shared engine sampled before
+    outs = ngram.generate(prompts, [SamplingParams(temperature=0.7, max_tokens=20, logprobs=2, seed=21 + i)
+                                    for i in range(3)])
     assert all(len(o.outputs[0].logprobs) == len(o.token_ids) for o in outs)
     assert ngram.engine.compile_count() == before
     assert np.all([o.metrics.spec_num_steps > 0 for o in outs])
@@ -111,25 +125,26 @@ def test_a_round_holds_no_branch_and_no_device_bound_loop(spec):
     assert conditionals(text) == [] and dynamic_while_loops(text) == [] and host_round_trips(text) == []
 
 
-def test_chained_rounds_propose_what_a_collected_round_would():
+def test_chained_rounds_propose_what_a_collected_round_would(collected_ngram, chained_ngram):
     # n-gram lookup on the device once the round in flight is known: the rounds a synchronous loop runs, where a
     # guess on the host (before that round was known) wasted the round after each partly accepted one
-    collected, chained = LLM("tiny", **ARGS, speculative_config=NGRAM), _overlapped(NGRAM)
+    collected, chained = collected_ngram, chained_ngram
     prompts = _prompts(2, 120, seed=3)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    before = _chained(chained)
     want, got = collected.generate(prompts, params), chained.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert _chained(chained) > 0
+    assert _chained(chained) > before
     steps = [(o.metrics.spec_num_steps, o.metrics.spec_num_draft_tokens, o.metrics.spec_num_accepted_tokens)
              for o in (*want, *got)]
     assert steps[2:] == steps[:2]  # rounds, drafts and accepted drafts of each request
 
 
 
-def test_rounds_whose_lookup_found_nothing_are_counted():
+def test_rounds_whose_lookup_found_nothing_are_counted(collected_ngram, chained_ngram):
     # where the answer writes tokens its context never held, a chained round verifies nothing: one token for a
     # round's cost, counted as spec_decode_num_empty_rounds (a synchronous loop runs a plain step there instead)
-    collected, chained = LLM("tiny", **ARGS, speculative_config=NGRAM), _overlapped(NGRAM)
+    collected, chained = collected_ngram, chained_ngram
     prompts = _prompts(1, 100, seed=3)  # its continuation holds a ten-token stretch with no match
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     empty = chained.engine.stats()["spec_decode_num_empty_rounds"]
