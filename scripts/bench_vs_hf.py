@@ -82,10 +82,10 @@ CHECK_TOKENS = 16  # llama.cpp's first greedy tokens checked against HF's, so bo
 
 
 def hf_rows(hf, rows: list[dict], prompt_sets: list[list[list[int]]], args) -> None:
-    from hf_peer import hf_run
-
     """Time HF's `generate` on each row's prompts as jaxserve's are timed: a warm-up, `--repeats` runs, medians.
     A run's TPOT is its end to end less a one-token run's, over the other tokens."""
+    from hf_peer import hf_run
+
     def run(prompts: list[list[int]]) -> dict[str, float]:
         e2e = hf_run(hf, prompts, args.new_tokens)
         prefill = hf_run(hf, prompts, 1)
