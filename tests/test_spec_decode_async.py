@@ -110,7 +110,7 @@ def test_seeded_ngram_output_is_plain_decodings(plain, chained_ngram):
               for i in range(3)]
     assert _run(ngram, prompts, params) == _run(plain, prompts, params)
     before = ngram.engine.compile_count()
-    # seeded: what the lookup finds must not hang on what the shared engine sampled before
+    # seeded: what the lookup finds must not depend on what the shared engine drew before
     outs = ngram.generate(prompts, [SamplingParams(temperature=0.7, max_tokens=20, logprobs=2, seed=21 + i)
                                     for i in range(3)])
     assert all(len(o.outputs[0].logprobs) == len(o.token_ids) for o in outs)
