@@ -21,11 +21,13 @@ from jaxserve.router.workers import Policy, Worker, choose, prefix_blocks
 
 
 def fake_server(name: str, tokens: int = 5, delay: float = 0.0, break_after: int | None = None,
-                stall_after: int | None = None) -> FastAPI:
+                stall_after: int | None = None, break_first: int = 0) -> FastAPI:
     """A server answering completions with `tokens` events naming itself; `break_after` events it drops the
-    connection (as a killed process would); `stall_after` events it hangs, its /health too (as a stopped one)."""
+    connection (as a killed process would); `stall_after` events it hangs, its /health too (as a stopped one);
+    its first `break_first` streams it drops before their first event (as a server too busy to answer in time)."""
     app = FastAPI()
     app.state.prompts = []
+    app.state.broken = 0
     app.state.stalled = False
     app.state.release = threading.Event()  # ends a stall (so the test's server can stop)
 
@@ -46,7 +48,12 @@ def fake_server(name: str, tokens: int = 5, delay: float = 0.0, break_after: int
         if not body.get("stream"):
             return {"choices": [{"text": name * tokens, "finish_reason": "length"}]}
 
+        first_broken = app.state.broken < break_first
+        app.state.broken += first_broken
+
         async def events():
+            if first_broken:
+                raise ConnectionResetError("busy")
             for i in range(tokens):
                 if break_after is not None and i == break_after:
                     raise ConnectionResetError("killed")
@@ -105,15 +112,39 @@ def test_streams_and_whole_responses_pass_through_and_spread_over_replicas():
         assert "jaxserve_router:requests_total 7.0" in metrics
 
 
-def test_a_dead_server_is_retried_around_and_taken_out():
-    with LiveServer(fake_server("a")) as a, router_server(worker_urls=("http://127.0.0.1:9", a.url),
-                                                          health_check_interval=30) as r:
-        for _ in range(3):
+def test_a_dead_server_is_retried_around_and_taken_out_by_its_circuit_breaker():
+    dead = "http://127.0.0.1:9"
+    with LiveServer(fake_server("a")) as a, router_server(worker_urls=(dead, a.url), health_check_interval=30,
+                                                          cb_failure_threshold=2) as r:
+        for _ in range(4):  # the prompt's blocks send it back to the dead server while that is in rotation
             assert sse(r.url) == ("aaaaa", [])
         assert httpx.post(f"{r.url}/v1/completions", json={"prompt": "x"}, timeout=30).status_code == 200
         metrics = httpx.get(f"{r.url}/metrics").text
-        assert 'worker_healthy{url="http://127.0.0.1:9",role="worker"} 0.0' in metrics
-        assert "jaxserve_router:retries_total 1.0" in metrics  # once: then it was out of rotation
+        assert f'worker_healthy{{url="{dead}",role="worker"}} 0.0' in metrics
+        assert f'worker_errors_total{{url="{dead}",role="worker"}} 2.0' in metrics
+        assert "jaxserve_router:retries_total 2.0" in metrics  # twice: then it was out of rotation
+
+
+def test_a_server_that_fails_one_request_stays_in_rotation_and_the_request_is_tried_on_it_again():
+    app = fake_server("a", break_first=1)
+    with LiveServer(app) as a, router_server(worker_urls=(a.url,), health_check_interval=30) as r:
+        assert sse(r.url) == ("aaaaa", [])  # its only server, tried again after a pause
+        assert sse(r.url) == ("aaaaa", [])
+        metrics = httpx.get(f"{r.url}/metrics").text
+        assert f'worker_healthy{{url="{a.url}",role="worker"}} 1.0' in metrics
+        assert "jaxserve_router:retries_total 1.0" in metrics and app.state.broken == 1
+        assert httpx.get(f"{r.url}/health").status_code == 200
+
+
+def test_without_the_circuit_breaker_failed_requests_leave_a_dead_server_in_rotation():
+    dead = "http://127.0.0.1:9"
+    with router_server(worker_urls=(dead,), health_check_interval=30, disable_circuit_breaker=True) as r:
+        for _ in range(2):
+            resp = httpx.post(f"{r.url}/v1/completions", json={"prompt": "x"}, timeout=30)
+            assert resp.status_code == 503 and dead in resp.json()["error"]["message"]
+        metrics = httpx.get(f"{r.url}/metrics").text
+        assert f'worker_healthy{{url="{dead}",role="worker"}} 1.0' in metrics  # the health checks' to judge
+        assert f'worker_errors_total{{url="{dead}",role="worker"}} 6.0' in metrics  # 3 tries of each request
 
 
 def test_no_server_left_is_a_503_in_openais_shape():

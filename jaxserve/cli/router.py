@@ -51,7 +51,13 @@ class _UrlListCommand(click.Command):
 @click.option("--stall-timeout", default=60.0, show_default=True, type=click.FloatRange(min=0.1),
               help="Seconds a server may send nothing on a response before the request is failed.")
 @click.option("--max-attempts", default=3, show_default=True, type=click.IntRange(min=1),
-              help="Servers a request is tried on before it fails.")
+              help="Tries a request gets (on other servers first, then the same again) before it fails.")
+@click.option("--retry-initial-backoff-ms", default=50.0, show_default=True, type=click.FloatRange(min=0),
+              help="Pause before the servers a request already tried are tried again (1.5x longer each time).")
+@click.option("--cb-failure-threshold", default=3, show_default=True, type=click.IntRange(min=1),
+              help="Failed requests in a row (no connection, or a break) that take a server out.")
+@click.option("--disable-circuit-breaker", is_flag=True,
+              help="Failed requests never take a server out (health checks still do).")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def router(worker_urls: tuple[str, ...], pd_disaggregation: bool, prefill_urls: tuple[str, ...],

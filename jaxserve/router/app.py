@@ -6,10 +6,13 @@ balance). Disaggregated (`--pd-disaggregation`): each request goes to a decode s
 prefill servers to use in the `X-Jaxserve-Prefill` header (the cache-aware choice first, the others after it as
 fallbacks); the decode server runs the bootstrap with them (jaxserve/disagg/protocol.py).
 
-Failures: a server that cannot be reached or breaks the connection before the response's first byte (the first
-event of a stream) is marked dead and the request is retried on another, up to `max_attempts` servers; a 503 from
-a server is retried elsewhere too. After the first byte a stream that breaks, or sends nothing for `stall_timeout`
-seconds, ends with an error event and `[DONE]`; a whole response that fails so is retried on another server.
+Failures: a request whose server cannot be reached or breaks the connection before the response's first byte (the
+first event of a stream), or answers 503, is tried again, up to `max_attempts` tries in all: on a server not yet
+tried, else (every server in rotation tried) on them again after a pause (`retry_initial_backoff_ms`, growing by
+half each time). After the first byte a stream that breaks, or sends nothing for `stall_timeout` seconds, ends with
+an error event and `[DONE]`; a whole response that fails so is tried again. Each server has a circuit breaker
+(sglang-router's): `cb_failure_threshold` failed requests in a row (no connection, or a break) take it out, so
+one connection that waits past its timeout on a loaded machine does not take out a healthy server.
 Health checks every `health_check_interval` seconds take a server out after `health_failure_threshold` misses and
 put it back after one success; a server taken out has its streams ended at once (with the error event) and its
 whole responses retried elsewhere.
@@ -39,6 +42,8 @@ log = logging.getLogger("jaxserve.router")
 HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
                "proxy-authorization", "accept-encoding", PREFILL_HEADER}
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+CONNECT_TIMEOUT_S = 5.0  # a server that has not accepted the connection by then fails this try
+BACKOFF_GROWTH = 1.5  # each pause before the servers are tried again is this much longer (sglang-router's)
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,9 @@ class RouterConfig:
     health_failure_threshold: int = 2
     stall_timeout: float = 60.0  # seconds a response may send nothing before it is failed
     max_attempts: int = 3
+    retry_initial_backoff_ms: float = 50.0  # the pause before servers already tried are tried again
+    cb_failure_threshold: int = 3  # failed requests in a row that take a server out
+    disable_circuit_breaker: bool = False  # failed requests never take a server out (health checks still do)
 
     def __post_init__(self) -> None:
         if self.pd_disaggregation:
@@ -105,7 +113,8 @@ class Router:
     def client(self) -> aiohttp.ClientSession:
         """The upstream session (aiohttp: a third of httpx's per-request cost here), made on the serving loop."""
         if self._client is None:
-            timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=self.config.stall_timeout)
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S,
+                                            sock_read=self.config.stall_timeout)
             self._client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout,
                                                  auto_decompress=False)
         return self._client
@@ -131,6 +140,15 @@ class Router:
         self.death(w).set()
         for resp in list(w.streams):  # its relays end now, with an error event, instead of at the stall timeout
             resp.close()
+
+    def request_failed(self, w: Worker, why: str) -> None:
+        """`w` failed a request (no connection, or a break): one more toward its circuit breaker, which takes it out
+        at `cb_failure_threshold` in a row."""
+        w.errors += 1
+        w.request_failures += 1
+        c = self.config
+        if not c.disable_circuit_breaker and w.request_failures >= c.cb_failure_threshold:
+            self.fail(w, f"{w.request_failures} requests failed in a row, the last: {why}")
 
     async def check(self, w: Worker) -> None:
         c = self.config
@@ -179,8 +197,14 @@ class Router:
         self.counters["requests"] += 1
         tried: set[str] = set()
         reason = "no healthy server"
+        pause = self.config.retry_initial_backoff_ms / 1e3
         for attempt in range(self.config.max_attempts):
             w, prefill, extra = self.pick(payload, tried)
+            if w is None and tried and any(x.healthy for x in self.targets()):
+                await asyncio.sleep(pause)  # every server in rotation tried: them again, after a pause
+                pause *= BACKOFF_GROWTH
+                tried.clear()
+                w, prefill, extra = self.pick(payload, tried)
             if w is None:
                 break
             if prefill is not None:  # busy with this request until its first byte (the prefill's end)
@@ -207,18 +231,19 @@ class Router:
                 if stream and resp.content_type == "text/event-stream":
                     chunks = resp.content.iter_any()
                     first = await anext(chunks, b"")  # before any byte is sent: a failure here is retried
+                    w.request_failures = 0
                     return StreamingResponse(self.relay(w, resp, first, chunks), status_code=resp.status,
                                              media_type="text/event-stream",
                                              headers={"cache-control": "no-cache"})
                 content = await self.whole(w, resp)
                 w.load -= 1
+                w.request_failures = 0
                 return Response(content, status_code=resp.status,
                                 media_type=resp.headers.get("content-type", "application/json"))
             except UPSTREAM_ERRORS as e:
                 w.load -= 1
-                w.errors += 1
                 reason = f"{w.url}: {type(e).__name__}"
-                self.fail(w, reason)
+                self.request_failed(w, reason)
                 if resp is not None:
                     resp.close()
             except _Died:
@@ -258,10 +283,11 @@ class Router:
             if b"[DONE]" not in tail:
                 raise aiohttp.ClientPayloadError("the stream ended early")
         except UPSTREAM_ERRORS as e:
-            w.errors += 1
             self.counters["failures"] += 1
-            if not isinstance(e, asyncio.TimeoutError):  # a stall is the health checks' to judge
-                self.fail(w, f"stream broke: {type(e).__name__}")
+            if isinstance(e, asyncio.TimeoutError):  # a stall is the health checks' to judge
+                w.errors += 1
+            else:
+                self.request_failed(w, f"stream broke: {type(e).__name__}")
             yield _sse_error(f"the server {w.url} failed mid-stream ({type(e).__name__}); the output is cut")
         finally:
             w.streams.discard(resp)

@@ -65,6 +65,7 @@ class Worker:
     healthy: bool = True
     load: int = 0  # requests the router has in flight on it
     failures: int = 0  # consecutive failed health checks
+    request_failures: int = 0  # consecutive requests it failed (its circuit breaker's count)
     index: PrefixIndex = field(default_factory=PrefixIndex)
     requests: int = 0
     errors: int = 0
@@ -73,6 +74,7 @@ class Worker:
     def mark_dead(self) -> None:
         """Out of rotation until a health check passes; its prefix index is forgotten (a restart has no cache)."""
         self.healthy = False
+        self.request_failures = 0
         self.index.clear()
 
 
