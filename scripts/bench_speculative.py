@@ -173,9 +173,12 @@ def main() -> None:
     ap.add_argument("--time-round", type=int, default=0, metavar="N",
                     help="also time each speculative engine's fused round against its one-token forward and a "
                          "whole plain step, alone and beside host work, N times")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="engines compile each shape when they first run it, not at start-up (a quick check of "
+                         "the script: the first round's figures then include compiles)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    base = dict(model=a.model, max_num_seqs=4, max_num_batched_tokens=512, chunk_size=512)
+    base = dict(model=a.model, max_num_seqs=4, max_num_batched_tokens=512, chunk_size=512, warmup=not a.no_warmup)
     methods = {"plain": None, "ngram": {"method": "ngram", "num_speculative_tokens": a.k,
                                         "prompt_lookup_max": a.prompt_lookup_max,
                                         "prompt_lookup_min": a.prompt_lookup_min}}

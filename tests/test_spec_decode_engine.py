@@ -10,14 +10,14 @@ from tests.step_outputs import tokens_each_step
 
 # A small pool (33 pages of 16 tokens) so that four long requests preempt one another; chunks of 32 tokens.
 ARGS = dict(max_num_seqs=4, max_num_batched_tokens=64, chunk_size=32, page_size=16, kv_cache_memory=33 * 8192,
-            max_model_len=256, seq_buckets=(1, 2, 4))
+            max_model_len=256, seq_buckets=(1, 4))  # two sizes: each warm engine compiles every round per size
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 DRAFT = {"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3}  # tiny drafts for itself
 
 
 @pytest.fixture(scope="module")
 def plain():
-    return LLM("tiny", **ARGS)
+    return LLM("tiny", **ARGS, warmup=False)  # the reference: it compiles only what the tests run
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +185,7 @@ def test_prometheus_shows_vllm_spec_decode_names(spec):
 
 @pytest.mark.parametrize("speculative_config, rows", [
     (None, set()),
-    ({**NGRAM, "num_speculative_tokens": 4}, {5, 10, 20}),  # S (k + 1) rows for S = 1, 2, 4
+    ({**NGRAM, "num_speculative_tokens": 4}, {5, 20}),  # S (k + 1) rows for S = 1, 4
 ])
 def test_the_kernel_plan_is_measured_at_the_rows_a_fused_round_runs(monkeypatch, speculative_config, rows):
     from jaxserve.config.engine import EngineConfig
@@ -203,4 +203,4 @@ def test_the_kernel_plan_is_measured_at_the_rows_a_fused_round_runs(monkeypatch,
     kw = got.value.args[0]
     ladder = {1, 2, 4, 8, 16, 24, 32, 48, 64}  # the token buckets of a 64-token budget
     # the forward's rows among the projections' row counts, the logits rows among the LM head's
-    assert set(kw["token_buckets"]) == ladder | rows and set(kw["seq_buckets"]) == {1, 2, 4} | rows
+    assert set(kw["token_buckets"]) == ladder | rows and set(kw["seq_buckets"]) == {1, 4} | rows
