@@ -71,19 +71,36 @@ def prompts(engine: LLMEngine, prompt_len: int) -> dict[str, list[int]]:
 BASELINES = ("plain", "plain-async")
 
 
-def time_round(engine: LLMEngine, repeats: int) -> dict:
+def keep_a_round(engine: LLMEngine) -> list:
+    """The inputs of every round `engine` prepares from now on (for `time_round` to replay one)."""
+    rnd, kept = engine.loop.round, []
+    prepare = rnd.prepare
+
+    def keeping(*args, **kwargs):
+        kept.append(prepare(*args, **kwargs))
+        return kept[-1]
+    rnd.prepare = keeping
+    return kept
+
+
+def time_round(engine: LLMEngine, repeats: int, real: object = None) -> dict:
     """A speculative engine's fused round (its smallest sequence bucket) against the target's one-token forward and
     against a whole plain step (that forward and the sampler's LM head and draw: what a plain decode dispatches),
     all on no sequence (every write to the trash page), alternating: the device program's cost, host excluded but
-    for the calls themselves. The round and the plain step are also timed with a fixed amount of host Python work
-    (`kernel_choice.host_work`, ~0.3 ms alone) run between their dispatch and the wait, as the overlapped loop
-    runs its host work: what the overlap hides of each on this machine. Medians in microseconds."""
+    for the calls themselves. `real`: a round the engine ran on a request's sequence (`keep_a_round`), replayed
+    as it was laid out (its KV written to the same slots again; chained rounds without their carry), whose
+    attention reads that sequence's history: `real_round_us`, `real_round_over_plain_step`. The round and the
+    plain step are also timed with a fixed amount of host Python work (`kernel_choice.host_work`, ~0.3 ms alone)
+    run between their dispatch and the wait, as the overlapped loop runs its host work: what the overlap hides of
+    each on this machine. Medians in microseconds."""
     rnd, runner = engine.loop.round, engine.runner
     inputs = rnd.idle_inputs(rnd.sizes[0])
     sampling = SamplingArrays.build([], runner.sampling_bucket(1))
     work = host_work()
     calls = {"round": lambda: rnd.dispatch(inputs)[0], "forward": lambda: runner.forward(empty_batch()),
              "plain_step": lambda: runner.dispatch(empty_batch(), sampling)}
+    if real is not None:
+        calls["real_round"] = lambda: rnd.dispatch(real)[0]
     beside = {f"{name}_beside_host": (calls[name], work) for name in ("round", "plain_step")}
     timed = {**{name: (f, None) for name, f in calls.items()}, **beside, "host_alone": (lambda: None, work)}
     times: dict[str, list[float]] = {name: [] for name in timed}
@@ -98,6 +115,8 @@ def time_round(engine: LLMEngine, repeats: int) -> dict:
             if i >= 10:  # after warm calls
                 times[name].append(time.perf_counter() - t)
     got = {f"{name}_us": 1e6 * statistics.median(v) for name, v in times.items()}
+    if real is not None:
+        got["real_round_over_plain_step"] = got["real_round_us"] / got["plain_step_us"]
     return {**got, "round_over_forward": got["round_us"] / got["forward_us"],
             "round_over_plain_step": got["round_us"] / got["plain_step_us"], "round_rows": inputs.has_draft.size}
 
@@ -192,6 +211,7 @@ def main() -> None:
     engines = {name: create_engine(config) for name, config in configs.items()}
     print(f"engines ready in {time.monotonic() - t0:.0f} s", file=sys.stderr)
     tasks = prompts(engines["plain"], a.prompt_len)
+    kept = {name: keep_a_round(eng) for name, eng in engines.items() if a.time_round and name not in BASELINES}
     runs, ratios = run_rounds(engines, tasks, a.rounds, a.output_len, a.paired)
     hw = load_hardware(a.profile) if a.profile else None
     spec = engines["plain"].spec
@@ -225,8 +245,9 @@ def main() -> None:
                            spec, hw, acceptance=alpha, **kw).k)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    timings = {name: time_round(eng, a.time_round) for name, eng in engines.items()
-               if a.time_round and name not in BASELINES}
+    # the middle one of the rounds the engine ran stands for a round on a request's sequence
+    timings = {name: time_round(eng, a.time_round, kept[name][len(kept[name]) // 2] if kept[name] else None)
+               for name, eng in engines.items() if a.time_round and name not in BASELINES}
     for name, r in timings.items():
         print(json.dumps({"round_timing": name, **r}), flush=True)
     result = {"model": a.model, "draft_model": a.draft_model, "k": a.k, "prompt_len": a.prompt_len,

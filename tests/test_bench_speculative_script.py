@@ -34,4 +34,6 @@ def test_the_benchmark_pairs_each_engine_with_its_own_loops_plain_engine(tmp_pat
     assert timing["ngram"]["round_us"] > 0 and timing["ngram"]["forward_us"] > 0
     ngram = timing["ngram"]
     assert ngram["plain_step_us"] > 0 and ngram["round_over_plain_step"] == ngram["round_us"] / ngram["plain_step_us"]
+    assert ngram["real_round_us"] > 0 and ngram["real_round_over_plain_step"] == ngram["real_round_us"] / ngram[
+        "plain_step_us"]
     assert ngram["round_beside_host_us"] > 0 and ngram["plain_step_beside_host_us"] > 0 and ngram["host_alone_us"] > 0
