@@ -84,6 +84,20 @@ def test_ngram_lookup_is_the_longest_most_recent_earlier_match(tokens, k, min_n,
                                                                                   max(min_n, max_n))
 
 
+@given(st.lists(st.integers(0, 2), min_size=1, max_size=40), st.integers(1, 5), st.integers(1, 3),
+       st.integers(1, 6))
+def test_a_frequent_newest_token_is_looked_up_in_one_pass_to_the_same_match(tokens, k, min_n, max_n):
+    from jaxserve.spec_decode import ngram
+
+    saved, ngram.PYTHON_CANDIDATES = ngram.PYTHON_CANDIDATES, 2  # past two occurrences: numpy's one pass
+    try:
+        got = ngram_propose(np.asarray(tokens), k, min_n, max(min_n, max_n))
+    finally:
+        ngram.PYTHON_CANDIDATES = saved
+    assert got == _ngram_by_windows(tokens, k, min_n, max(min_n, max_n))
+    assert all(type(t) is int for t in got)
+
+
 _on_device = jax.jit(lookup_on_device, static_argnums=(5, 6, 7))
 
 

@@ -15,18 +15,48 @@ import numpy as np
 SEARCH_WINDOW = 4096
 
 
+# Up to this many earlier occurrences of the newest token are checked one by one in Python (a handful of list
+# compares: ~7 us against numpy's ~60 us a lookup at a small model's step, docs/speculative.md); a token that
+# occurs more often in the window is searched by numpy in one pass, whose cost does not grow with the count.
+PYTHON_CANDIDATES = 32
+
+
 def ngram_propose(tokens: list[int] | np.ndarray, k: int, min_n: int, max_n: int,
                   window: int = SEARCH_WINDOW) -> list[int]:
     """Up to `k` tokens continuing `tokens` by the longest matching earlier n-gram (min_n <= n <= max_n); [] when
     none matches. Among matches of the longest n the most recent occurrence wins."""
-    seq = np.asarray(tokens[-window:], dtype=np.int64)
-    size = seq.shape[0]
+    tail = tokens[-window:]
+    seq = tail.tolist() if isinstance(tail, np.ndarray) else list(tail)
+    size = len(seq)
     longest = min(max_n, size - 1)
     if longest < max(min_n, 1):
         return []
-    # Earlier occurrences of the last token (each with a token after it), then how far back each keeps matching
-    # the suffix: one pass over the window and max_n gathers at the candidates (a sliding-window comparison per n
-    # cost a visible share of a small model's CPU step; docs/speculative.md).
+    ends, last, at = [], seq[-1], -1  # earlier occurrences of the last token (each with a token after it)
+    try:
+        while len(ends) <= PYTHON_CANDIDATES:
+            at = seq.index(last, at + 1, size - 1)
+            ends.append(at)
+    except ValueError:
+        pass
+    if len(ends) > PYTHON_CANDIDATES:
+        return _propose_in_one_pass(seq, k, min_n, longest)
+    best, start = 0, 0
+    for end in reversed(ends):  # the most recent first: a later one wins only by matching longer
+        n = 1
+        while n < longest and end - n >= 0 and seq[end - n] == seq[size - 1 - n]:
+            n += 1
+        if n > best:
+            best, start = n, end + 1
+            if n == longest:
+                break
+    return seq[start: start + k] if best >= max(min_n, 1) else []
+
+
+def _propose_in_one_pass(tokens: list[int], k: int, min_n: int, longest: int) -> list[int]:
+    """`ngram_propose` by numpy: every earlier occurrence of the last token at once, then how far back each keeps
+    matching the suffix (one pass over the window and `longest` gathers at the candidates)."""
+    seq = np.asarray(tokens, dtype=np.int64)
+    size = seq.shape[0]
     ends = np.flatnonzero(seq[: size - 1] == seq[-1])
     if not ends.size:
         return []
@@ -40,7 +70,7 @@ def ngram_propose(tokens: list[int] | np.ndarray, k: int, min_n: int, max_n: int
     if n < min_n:
         return []
     start = int(ends[np.flatnonzero(length == n)[-1]]) + 1  # the most recent of the longest
-    return seq[start: start + k].tolist()
+    return tokens[start: start + k]
 
 
 class NgramProposer:
