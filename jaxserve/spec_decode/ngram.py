@@ -16,8 +16,8 @@ SEARCH_WINDOW = 4096
 
 
 # Up to this many earlier occurrences of the newest token are checked one by one in Python (a handful of list
-# compares: ~7 us against numpy's ~60 us a lookup at a small model's step, docs/speculative.md); a token that
-# occurs more often in the window is searched by numpy in one pass, whose cost does not grow with the count.
+# compares cost less than numpy's calls at a small model's step: docs/speculative.md); a token that occurs more
+# often in the window is searched by numpy in one pass, whose cost does not grow with the count.
 PYTHON_CANDIDATES = 32
 
 
@@ -41,7 +41,7 @@ def ngram_propose(tokens: list[int] | np.ndarray, k: int, min_n: int, max_n: int
     if len(ends) > PYTHON_CANDIDATES:
         return _propose_in_one_pass(seq, k, min_n, longest)
     best, start = 0, 0
-    for end in reversed(ends):  # the most recent first: a later one wins only by matching longer
+    for end in reversed(ends):  # the most recent first: an older one wins only by matching longer
         n = 1
         while n < longest and end - n >= 0 and seq[end - n] == seq[size - 1 - n]:
             n += 1
