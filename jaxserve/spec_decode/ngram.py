@@ -25,8 +25,8 @@ def ngram_propose(tokens: list[int] | np.ndarray, k: int, min_n: int, max_n: int
                   window: int = SEARCH_WINDOW) -> list[int]:
     """Up to `k` tokens continuing `tokens` by the longest matching earlier n-gram (min_n <= n <= max_n); [] when
     none matches. Among matches of the longest n the most recent occurrence wins."""
-    tail = tokens[-window:]
-    seq = tail.tolist() if isinstance(tail, np.ndarray) else list(tail)
+    tail = tokens[-window:]  # a list's slice is already a copy; an array's becomes one list
+    seq = tail.tolist() if isinstance(tail, np.ndarray) else tail
     size = len(seq)
     longest = min(max_n, size - 1)
     if longest < max(min_n, 1):
