@@ -25,7 +25,7 @@ import numpy as np
 from jaxserve.kernels.metadata import AttentionMetadata
 from jaxserve.model.attention.reference import ReferenceAttention
 from jaxserve.platform.attention_choice import reference_for, select_backend
-from modelspec.spec import PRESETS
+from modelspec.spec import load_model_spec
 
 
 def make_case(spec, seqs: list[tuple[int, int]], num_decodes: int, page_size: int, max_model_len: int,
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--bandwidth", type=float, default=27e9, help="bytes/s floor for reads")
     ap.add_argument("--flops", type=float, default=120e9, help="FLOP/s floor for matmuls")
     args = ap.parse_args()
-    spec = PRESETS[args.model]
+    spec = load_model_spec(args.model)  # a preset or a shipped model (bard)
     h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
     platform = jax.default_backend()
     backend = select_backend("reference" if args.no_kernel else args.backend, platform, jnp.float32, d,
