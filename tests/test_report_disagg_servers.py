@@ -3,6 +3,7 @@ pinned to its own core: their pool counters in /metrics, the rows against the pl
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import replace
@@ -141,6 +142,10 @@ def test_a_profile_calibrated_on_one_core_prices_the_pools(tmp_path):
     path = calibrate_pinned(cfg, [0], tmp_path / "pool-profile.json", log=lambda _: None)
     hw = load_hardware(str(path))
     assert hw.coefficients.to_dict() and (tmp_path / "pool-profile.log").read_text()
+    engine = cfg.engine_config()  # the engine the report calibrates on every core, pinned here
+    measured = json.loads(path.read_text())["measurements"]["engine"]
+    assert (measured["max_num_seqs"], measured["max_num_batched_tokens"]) == (engine.max_num_seqs,
+                                                                             engine.max_num_batched_tokens)
     assert math.isfinite(pool_balance(load_model_spec("tiny"), hw, 32, 4, dtype="fp32").prefill_rps)
     with pytest.raises(ValueError, match=r"calibration pinned to cores \[0\] failed \(exit 2\)"):
         calibrate_pinned(replace(cfg, model="no-such-model"), [0], tmp_path / "bad.json", log=lambda _: None)

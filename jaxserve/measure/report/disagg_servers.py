@@ -125,11 +125,15 @@ def wait_ready(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: floa
 
 def calibrate_pinned(cfg, cores: list[int], out: Path, log=print) -> Path:
     """A hardware profile of `cfg`'s model measured by `jaxserve calibrate` pinned to `cores` (a pool's server
-    runs on those alone: a profile of all the cores prices its steps too fast); its path. ValueError, with the
-    log's last line, when calibration fails."""
-    args = ["--model", cfg.model, "--dtype", cfg.dtype, "--seed", str(cfg.seed), "--out", str(out),
-            *(["--quick"] if cfg.quick else []), *(["--kv-cache-memory", str(cfg.kv_cache_memory)]
-                                                 if cfg.kv_cache_memory else [])]
+    runs on those alone: a profile of all the cores prices its steps too fast), on the engine the report
+    calibrates on every core (`cfg.engine_config()`: its weights, KV dtype, sequences and step budget); its path.
+    ValueError, with the log's last line, when calibration fails."""
+    e = cfg.engine_config()
+    args = ["--model", e.model, "--dtype", e.dtype, "--seed", str(e.seed), "--out", str(out),
+            "--max-num-seqs", str(e.max_num_seqs), "--max-num-batched-tokens", str(e.max_num_batched_tokens),
+            "--chunk-size", str(e.chunk_size), "--kv-cache-dtype", e.kv_cache_dtype,
+            *(["--quantization", e.quantization] if e.quantization else []), *(["--quick"] if cfg.quick else []),
+            *(["--kv-cache-memory", str(e.kv_cache_memory)] if e.kv_cache_memory else [])]
     log_path = out.with_suffix(".log")
     t0 = time.monotonic()
     proc = launch(args, cores, True, log_path, command="calibrate")
