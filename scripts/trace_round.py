@@ -12,8 +12,9 @@ trace see the same machine. Prints, per kind, medians over its decode steps: eac
 (qkv, attention, o, gate/up, down) summed over the layers, the LM head's call, XLA's other thunks (and the costliest
 of them by name), the device span's idle time, the span itself (first thunk to last) and the host's time (the
 step's wall time less that span). The round's cost over a plain step's is what `bench_speculative.py`'s TPOT ratio
-pays for its drafts. Traced without jax's Python tracer, so host figures carry only the profiler's own cost. CPU
-only, with jaxserve's kernels at both row counts (the kernel plan's choice; the script says when it is not).
+pays for its drafts. Traced without jax's Python tracer (`trace_step.traced`), so host figures carry only the
+profiler's own cost. CPU only, with jaxserve's kernels at both row counts (the kernel plan's choice; the script
+says when it is not).
 """
 
 from __future__ import annotations
@@ -21,36 +22,21 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
-import glob
 import json
 import re
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
-from trace_step import LAYER_CALLS  # noqa: E402
+from trace_step import LAYER_CALLS, traced  # noqa: E402
 
 STEP = "jaxserve-traced-step"  # the annotation around each engine step the script runs
 OTHER = "other: "  # a part named so is one kind of XLA thunk, within "other thunks"
 SKIP = ("end:", "Threadpool", "ThunkExecutor", "SlinkyThreadPool")  # markers, not thunks
 Thunk = tuple[int, int, str]  # (start ns, duration ns, name)
-
-
-def traced_quietly(step) -> jax.profiler.ProfileData:
-    """Run `step()` under jax.profiler without its Python tracer (which would slow every host call) and read the
-    trace back."""
-    folder = tempfile.mkdtemp(prefix="jaxserve-trace-")
-    options = jax.profiler.ProfileOptions()
-    options.python_tracer_level = 0
-    options.host_tracer_level = 1
-    jax.profiler.start_trace(folder, profiler_options=options)
-    step()
-    jax.profiler.stop_trace()
-    return jax.profiler.ProfileData.from_file(glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)[0])
 
 
 def steps_and_thunks(profile) -> tuple[list[tuple[int, int]], list[Thunk]]:
@@ -195,7 +181,7 @@ def main() -> None:
                     kinds.append("round" if counters.num_drafts > rounds else "plain")
 
     run(1, False)  # untraced: every shape the traced ones run has run once
-    profile = traced_quietly(lambda: run(a.requests, True))
+    profile = traced(lambda: run(a.requests, True))
     try:
         windows, thunks = steps_and_thunks(profile)
         res = round_parts(windows, kinds, thunks, engine.spec.num_layers)

@@ -58,9 +58,13 @@ def helper_starts(profile) -> list[int]:
 
 
 def traced(step) -> jax.profiler.ProfileData:
-    """Run `step()` under jax.profiler and read the trace back."""
+    """Run `step()` under jax.profiler and read the trace back. Without jax's Python tracer: it records every
+    Python call, which slowed the host's work between steps by 10-25% (docs/tuning.md)."""
     folder = tempfile.mkdtemp(prefix="jaxserve-trace-")
-    jax.profiler.start_trace(folder)
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    options.host_tracer_level = 1  # XLA's thunks and the threads' regions, annotations; no more
+    jax.profiler.start_trace(folder, profiler_options=options)
     step()
     jax.profiler.stop_trace()
     return jax.profiler.ProfileData.from_file(glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)[0])
