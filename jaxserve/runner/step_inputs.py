@@ -11,6 +11,7 @@ pages of the longest sequence).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import jax
@@ -33,7 +34,7 @@ class StepLayout:
     def _split_points(self, num_tokens: int) -> list[int]:
         """Where the layout's eight parts start (after the first), for `num_tokens` padded tokens."""
         t, n_seq = num_tokens, self.max_num_seqs
-        return np.cumsum([t, t, t, self.max_logits_rows, n_seq + 1, n_seq, 2]).tolist()
+        return list(itertools.accumulate((t, t, t, self.max_logits_rows, n_seq + 1, n_seq, 2)))
 
     def pack(self, batch: RaggedBatch, num_tokens: int) -> np.ndarray:
         """`batch` padded to `num_tokens` tokens and `max_num_seqs` sequences, as one host int32 array; padded
@@ -41,7 +42,9 @@ class StepLayout:
         t, s = batch.num_tokens, batch.num_seqs
         n_seq, n_page = self.max_num_seqs, self.pages_per_seq
         packed = np.zeros(3 * num_tokens + 2 * n_seq + self.max_logits_rows + 3 + n_seq * n_page, np.int32)
-        tok, pos, slots, idx, cu, kv_lens, counts, table = np.split(packed, self._split_points(num_tokens))
+        bounds = [0, *self._split_points(num_tokens), packed.shape[0]]
+        # views by slicing: np.split's generic path costs more than the rest of the layout, every step
+        tok, pos, slots, idx, cu, kv_lens, counts, table = (packed[a:b] for a, b in itertools.pairwise(bounds))
         tok[:t] = batch.token_ids
         pos[:t] = batch.positions
         slots[:] = np.arange(num_tokens, dtype=np.int32) % self.page_size
