@@ -38,7 +38,7 @@ from tests.test_pallas_attention import lower_for_cuda
 
 KINDS = ("int8", "fp8")
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=128, chunk_size=128, page_size=16,
-              kv_cache_memory=4 * 2**20, token_buckets=(16, 32, 64, 128))
+              kv_cache_memory=4 * 2**20, token_buckets=(16, 32, 64, 128), warmup=False)
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 

@@ -29,7 +29,7 @@ from modelspec.spec import load_model_spec
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)  # test_compressed_tensors uses it
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=128, chunk_size=128, page_size=16,
-              kv_cache_memory=4 * 2**20, token_buckets=(16, 32, 64, 128))
+              kv_cache_memory=4 * 2**20, token_buckets=(16, 32, 64, 128), warmup=False)
 
 
 def test_codes_and_scales_round_trip_within_half_a_step_per_channel():
