@@ -16,7 +16,7 @@ import json  # noqa: E402
 import numpy as np  # noqa: E402
 
 ARGS = dict(max_num_seqs=8, max_num_batched_tokens=64, chunk_size=32, page_size=16, kv_cache_memory=2 * 2**20,
-            max_model_len=256, token_buckets=(8, 64), seq_buckets=(8,))
+            max_model_len=256, token_buckets=(8, 64), seq_buckets=(8,), warmup=False)
 
 
 def main(degrees: list[int]) -> None:

@@ -18,7 +18,7 @@ from jaxserve.measure.eval.windows import read_eval_text, token_windows
 from modelspec.spec import resolve_model_path
 
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=128, chunk_size=128, page_size=16,
-              kv_cache_memory=4 * 2**20, token_buckets=(16, 32, 64, 128))
+              kv_cache_memory=4 * 2**20, token_buckets=(16, 32, 64, 128), warmup=False)
 SMALL_ENGINE_FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--chunk-size", "64",
                       "--kv-cache-memory", "4MiB"]
 

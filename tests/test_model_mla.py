@@ -90,7 +90,7 @@ def test_engine_serves_the_synthetic_presets_as_the_model_decodes(preset):
     """`LLM` on the MLA and MoE presets (runner, scheduler, chunked prefill, the backend chosen at start-up) gives
     the tokens of the model run directly through the paged pool."""
     llm = LLM(preset, max_num_seqs=4, max_num_batched_tokens=64, chunk_size=32, page_size=16,
-              kv_cache_memory=2**20, max_model_len=256, token_buckets=(8, 64), seq_buckets=(4,))
+              kv_cache_memory=2**20, max_model_len=256, token_buckets=(8, 64), seq_buckets=(4,), warmup=False)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10))
     spec = PRESETS[preset]
     direct, _ = greedy_paged(LlamaForCausalLM(spec, jnp.float32, rngs=nnx.Rngs(0)), spec, PROMPTS, 10)

@@ -11,7 +11,7 @@ from jaxserve.measure.eval.windows import read_eval_text
 from modelspec.spec import resolve_model_path
 
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=128, chunk_size=128, page_size=16,
-              kv_cache_memory=4 * 2**20, token_buckets=(16, 32, 64, 128))
+              kv_cache_memory=4 * 2**20, token_buckets=(16, 32, 64, 128), warmup=False)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
          "held_out.txt", "MANIFEST.json"}
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, chunk_size=64, page_size=16,
-              kv_cache_memory=4 * 2**20, token_buckets=(1, 2, 4, 16, 64))
+              kv_cache_memory=4 * 2**20, token_buckets=(1, 2, 4, 16, 64), warmup=False)
 
 
 def manifest(name: str) -> dict:

@@ -175,7 +175,7 @@ def bard_client():
     if not (Path(jaxserve.__file__).parent / "trained_models" / "bard" / "model.safetensors").is_file():
         pytest.skip("the trained model bard is not in this checkout")
     config = EngineConfig(model="bard", max_num_seqs=8, max_num_batched_tokens=128, chunk_size=64, page_size=16,
-                          kv_cache_memory=32 * 2**20, max_model_len=512)
+                          kv_cache_memory=32 * 2**20, max_model_len=512, warmup=False)  # shapes compile as they run
     with engine_server(config) as live:
         yield openai.OpenAI(base_url=f"{live.url}/v1", api_key="none", max_retries=0, timeout=300)
 
