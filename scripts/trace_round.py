@@ -31,26 +31,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
-from trace_step import LAYER_CALLS, traced  # noqa: E402
+from trace_step import LAYER_CALLS, Thunk, traced, xla_thunks  # noqa: E402
 
 STEP = "jaxserve-traced-step"  # the annotation around each engine step the script runs
 OTHER = "other: "  # a part named so is one kind of XLA thunk, within "other thunks"
-SKIP = ("end:", "Threadpool", "ThunkExecutor", "SlinkyThreadPool")  # markers, not thunks
-Thunk = tuple[int, int, str]  # (start ns, duration ns, name)
 
 
-def steps_and_thunks(profile) -> tuple[list[tuple[int, int]], list[Thunk]]:
-    """The annotated steps' windows (start, end ns) and every thunk XLA's CPU runtime ran on any of its threads (a
-    program's thunks move between its client thread and its intra-op threads), both sorted."""
-    windows, thunks = [], []
-    for plane in profile.planes:
-        for line in plane.lines:
-            for e in line.events:
-                if e.name == STEP:
-                    windows.append((e.start_ns, e.start_ns + e.duration_ns))
-                elif line.name.startswith("tf_XLA") and not e.name.startswith(SKIP):
-                    thunks.append((e.start_ns, e.duration_ns, e.name))
-    return sorted(windows), sorted(thunks)
+def step_windows(profile) -> list[tuple[int, int]]:
+    """The annotated steps' windows (start, end ns), sorted."""
+    return sorted((e.start_ns, e.start_ns + e.duration_ns) for plane in profile.planes for line in plane.lines
+                  for e in line.events if e.name == STEP)
 
 
 def _union(spans: list[tuple[int, int]]) -> int:
@@ -183,8 +173,7 @@ def main() -> None:
     run(1, False)  # untraced: every shape the traced ones run has run once
     profile = traced(lambda: run(a.requests, True))
     try:
-        windows, thunks = steps_and_thunks(profile)
-        res = round_parts(windows, kinds, thunks, engine.spec.num_layers)
+        res = round_parts(step_windows(profile), kinds, xla_thunks(profile), engine.spec.num_layers)
     except ValueError as e:
         raise SystemExit(f"error: {e} (the kernel plan may give one of the row counts to XLA's dots)") from None
     print_round_parts(res, f"{a.model}, n-gram k={a.k} on the {a.task} task, {a.requests} traced requests of "

@@ -33,21 +33,41 @@ import numpy as np
 LAYER_CALLS = ("qkv", "attention", "o", "gate_up", "down")
 
 
-def executions(profile) -> list[tuple[int, int, list[tuple[int, int, str]]]]:
-    """Every executable run on XLA's CPU client threads: (start ns, duration ns, its thunks)."""
-    runs = []
+SKIP = ("end:", "Threadpool", "ThunkExecutor", "SlinkyThreadPool")  # markers of XLA's runtime, not thunks
+Thunk = tuple[int, int, str]  # (start ns, duration ns, name)
+
+
+def xla_thunks(profile) -> list[Thunk]:
+    """Every thunk XLA's CPU runtime ran, on any of its threads, sorted: a program's thunks start on its client
+    thread and continue on the intra-op threads after an asynchronous one (a kernel call) completes there."""
+    return sorted((e.start_ns, e.duration_ns, e.name) for plane in profile.planes for line in plane.lines
+                  if line.name.startswith("tf_XLA") for e in line.events if not e.name.startswith(SKIP))
+
+
+def executions(profile) -> list[tuple[int, int, list[Thunk]]]:
+    """Every executable run, (start ns, duration ns, its thunks), sorted. A run starts where its client thread
+    starts executing it and holds every thunk (`xla_thunks`) from then to the next run's start; it lasts to its
+    last thunk's end where that is later than the client thread's own span (the program continued elsewhere)."""
+    starts = []
     for plane in profile.planes:
         for line in plane.lines:
             if not line.name.startswith("tf_XLAPjRt"):
                 continue
-            current = None
-            for start, dur, name in sorted((e.start_ns, e.duration_ns, e.name) for e in line.events):
-                if name == "ThunkExecutor::Execute":
-                    current = (start, dur, [])
-                    runs.append(current)
-                elif current and start < current[0] + current[1] and not name.startswith(("end:", "Threadpool")):
-                    current[2].append((start, dur, name))
-    return sorted(runs)
+            end = 0
+            for e in sorted(line.events, key=lambda e: e.start_ns):
+                if e.name == "ThunkExecutor::Execute" and e.start_ns >= end:  # not one nested in a run (a loop's body)
+                    starts.append((e.start_ns, e.duration_ns))
+                    end = e.start_ns + e.duration_ns
+    starts.sort()
+    thunks = xla_thunks(profile)
+    first = [t[0] for t in thunks]
+    runs = []
+    for i, (start, dur) in enumerate(starts):
+        stop = starts[i + 1][0] if i + 1 < len(starts) else float("inf")
+        own = thunks[bisect.bisect_left(first, start):bisect.bisect_left(first, stop)]
+        end = max([start + dur] + [t0 + t_dur for t0, t_dur, _ in own])
+        runs.append((start, end - start, own))
+    return runs
 
 
 def helper_starts(profile) -> list[int]:
@@ -59,7 +79,7 @@ def helper_starts(profile) -> list[int]:
 
 def traced(step) -> jax.profiler.ProfileData:
     """Run `step()` under jax.profiler and read the trace back. Without jax's Python tracer: it records every
-    Python call, which slowed the host's work between steps by 10-25% (docs/tuning.md)."""
+    Python call and slows the host's work between steps (measured in docs/tuning.md)."""
     folder = tempfile.mkdtemp(prefix="jaxserve-trace-")
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0
