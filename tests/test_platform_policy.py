@@ -29,6 +29,7 @@ def test_a_cpu_searches_its_cut_runs_wide_steps_alone_and_keeps_the_synchronous_
     assert cpu.compiler_options(2048) is None and cpu.compiler_options(4096)  # separate dots on the widest
     assert default_dtype("cpu") == jnp.float32
     assert cpu.decode_run_exits_early  # a k-step run ends when its sequences have
+    assert cpu.pools_as_pinned_processes  # a disaggregated report's pools: servers on their own cores
 
 
 @pytest.mark.parametrize("platform", ["gpu", "cuda", "rocm"])
@@ -39,6 +40,7 @@ def test_a_gpu_sorts_overlaps_every_step_and_pads_steps_to_eight_rows(platform):
     assert gpu.token_buckets((1, 2, 4, 8, 16, 64)) == (8, 16, 64)
     assert gpu.compiler_options(10**6) is None and default_dtype(platform) == jnp.bfloat16
     assert not gpu.decode_run_exits_early  # a static trip count: no loop condition read back each iteration
+    assert not gpu.pools_as_pinned_processes  # each pool on its own devices, in one process
 
 
 def test_the_engine_takes_its_loop_and_buckets_from_the_policy(tiny_llm: LLM):

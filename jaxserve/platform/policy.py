@@ -70,12 +70,10 @@ class PlatformPolicy:
     async_by_default: bool = False  # the loop when `--async-scheduling` is not given
     min_token_bucket: int = 1  # steps pad to at least this many tokens
     decode_run_exits_early: bool = False  # a k-step decode run stops once every sequence has stopped
+    # a disaggregated measurement runs each pool as a server pinned to its own cores (one process's pools on a CPU
+    # would share its cores and XLA's threads)
+    pools_as_pinned_processes: bool = False
     facts: DeviceFacts | None = None  # the devices as start-up read them (the measurement tools' kind, memory)
-
-    @property
-    def is_cpu(self) -> bool:
-        """Whether the engine runs on a CPU (for the measurement tools, which price a CPU differently)."""
-        return self.platform == "cpu"
 
     def compiler_options(self, num_tokens: int) -> dict[str, str] | None:
         """XLA compiler options of the forward for a `num_tokens` bucket (None: the defaults)."""
@@ -182,7 +180,7 @@ def policy_for(platform: str, attention: Any, route: MatmulRoute | None = None, 
         return PlatformPolicy(platform, ModelOps(attention, route), ModelOps(decode, route) if decode else None,
                               sampler_cut="search", wide_step_above=CPU_SEPARATE_DOTS_ABOVE,
                               wide_step_options=CPU_SEPARATE_DOTS_OPTIONS, overlap_max_tokens=CPU_OVERLAP_MAX_TOKENS,
-                              decode_run_exits_early=True)
+                              decode_run_exits_early=True, pools_as_pinned_processes=True)
     gpu = platform in GPU_PLATFORMS
     route = route or XLA_MATMULS
     return PlatformPolicy(platform, ModelOps(attention, route),

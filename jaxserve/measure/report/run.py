@@ -49,7 +49,7 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
         f"{engine.runner.token_buckets})")
     calibration = None
     dtype, kv_dtype = planner_dtypes(engine)
-    processes = bool(cfg.disagg) and engine.policy.is_cpu and not cfg.disagg_in_process  # pinned servers
+    processes = bool(cfg.disagg) and engine.policy.pools_as_pinned_processes and not cfg.disagg_in_process
     pool_profile = None
     if processes and not profile:  # the pools' servers run on P cores each: price them from a profile of P cores
         pool_profile = str(calibrate_pinned(cfg, usable_cores()[:cfg.disagg[0]], out / "pool-profile.json", log))
