@@ -189,12 +189,8 @@ def trace_prefills(ap: argparse.ArgumentParser, model: str, cases: list[tuple[in
         profile = traced(lambda count=count, n=n: prefill(count, n))
         while engine.has_unfinished_requests():
             engine.step()
-        start, dur = max(((e.start_ns, e.duration_ns) for plane in profile.planes for line in plane.lines
-                          if line.name.startswith("tf_XLAPjRt") for e in line.events
-                          if e.name.startswith("ThunkExecutor::Execute")), key=lambda e: e[1])  # the forward
-        calls = sum(e.duration_ns for plane in profile.planes for line in plane.lines
-                    if line.name.startswith("tf_XLA") for e in line.events
-                    if e.name.startswith("ffi_call") and start <= e.start_ns < start + dur)
+        _, dur, thunks = max(executions(profile), key=lambda run: run[1])  # the forward: the longest run
+        calls = sum(t_dur for _, t_dur, name in thunks if name.startswith("ffi_call"))
         pairs = count * n * (n + 1) / 2
         rows.append((pairs * layers, count * n * layers, calls / 1e6))
         print(f"  {count:3d} x {n:5d}: forward {dur / 1e6:8.1f} ms, attention {calls / 1e6:7.1f} ms, "
