@@ -2,6 +2,7 @@
 
     python scripts/trace_step.py --model small --batch 1
     python scripts/trace_step.py --model small --batch 16 --prompt-len 512
+    python scripts/trace_step.py --model small --batch 1 --num-scheduler-steps 8 --steps 6
     python scripts/trace_step.py --model small --prefills 16x128,8x256,4x512,2x1024,1x2048,1x3072
 
 Runs `--batch` requests to steady decode, traces `--steps` engine steps and reads the trace back (XLA's CPU
@@ -10,6 +11,10 @@ forward's time in each kind of kernel call of a layer (the qkv, o, gate/up and d
 bandwidth each reached, and attention), in its other thunks and between thunks, the gap between the forward's
 end and the sampler's start, and how late XLA's other intra-op thread started on each projection (it sleeps
 when idle; a call runs on the calling thread until the other one joins). CPU only, with jaxserve's kernels.
+
+With `--num-scheduler-steps k` above 1 the engine runs k decode steps a dispatch (one program: a loop of forward
+and sampler) and the figures are per decode step of those runs: the run's time, each kind of kernel call with its
+weight bandwidth, the LM head, XLA's other thunks, the run's idle time and the host's time between runs.
 
 With `--prefills COUNTxTOKENS,...` it traces one prefill step of each case instead (the report's engine, as
 `bench_prefill_steps.py` runs it) and splits the forward into the attention kernel's calls and the rest; from
@@ -90,16 +95,20 @@ def traced(step) -> jax.profiler.ProfileData:
     return jax.profiler.ProfileData.from_file(glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)[0])
 
 
+def layer_weight_bytes(spec) -> dict[str, int]:
+    """Bytes of float32 weights each projection kind of one layer reads."""
+    h, d = spec.hidden_size, spec.head_dim
+    return {"qkv": h * (spec.num_heads + 2 * spec.num_kv_heads) * d * 4, "o": spec.num_heads * d * h * 4,
+            "gate_up": h * 2 * spec.intermediate_size * 4, "down": spec.intermediate_size * h * 4}
+
+
 def decode_parts(profile, spec) -> dict:
     """A trace of steady decode steps read back, medians over its steps: the forward's and the sampler's executions,
     the gap between them and between a sampler's end and the next forward's start (the host's work between
     steps), and per kind of a layer's kernel calls its time, the weight bandwidth it reached and how late XLA's
     other intra-op thread joined it; the sampler's LM head (its longest thunk). Projections that ran in XLA's
     dots (the kernel plan declined their row count) count in "other thunks"."""
-    h, d = spec.hidden_size, spec.head_dim
-    qkv_out = (spec.num_heads + 2 * spec.num_kv_heads) * d
-    weight_bytes = {"qkv": h * qkv_out * 4, "o": spec.num_heads * d * h * 4,
-                    "gate_up": h * 2 * spec.intermediate_size * 4, "down": spec.intermediate_size * h * 4}
+    weight_bytes = layer_weight_bytes(spec)
     runs = executions(profile)
     layers = spec.num_layers
     # the forward holds a kernel call per layer at least (attention); with the matmul kernel, five
@@ -143,6 +152,60 @@ def decode_parts(profile, spec) -> dict:
                         other_thread_never=float(np.isnan(v).mean()))
         out["parts"][kind] = part
     return out
+
+
+def loop_parts(profile, spec, k: int) -> dict:
+    """A trace of k-step decode runs (`--num-scheduler-steps k`, steady, no run ending early) read back, per decode
+    step (medians over the runs): the run's time, each kind of a layer's kernel calls with its weight bandwidth, the
+    LM head (the kernel's call after each step's layers, or else the step's longest other thunk: XLA's dot), XLA's
+    other thunks, the run's idle time (no thunk running on any thread) and the host's time between runs."""
+    layers = spec.num_layers
+    calls_a_step = len(LAYER_CALLS) * layers
+    runs = [r for r in executions(profile) if sum(t[2].startswith("ffi_call") for t in r[2]) >= k * calls_a_step]
+    if not runs:
+        raise ValueError(f"no run holds {k} steps' kernel calls: is the engine's --num-scheduler-steps {k}?")
+    bytes_of = layer_weight_bytes(spec)
+    parts: dict[str, list[float]] = collections.defaultdict(list)
+    for start, dur, thunks in runs:
+        calls = [t for t in thunks if t[2].startswith("ffi_call")]
+        per_step = len(calls) // k
+        if per_step not in (calls_a_step, calls_a_step + 1) or len(calls) % k:
+            raise ValueError(f"{len(calls)} kernel calls in a run of {k} steps: not {len(LAYER_CALLS)} a layer")
+        per = collections.defaultdict(float)
+        for i, (_, t_dur, _) in enumerate(calls):
+            j = i % per_step
+            per[LAYER_CALLS[j % len(LAYER_CALLS)] if j < calls_a_step else "lm_head"] += t_dur
+        rest = sorted((t[1] for t in thunks if not t[2].startswith(("ffi_call", "while"))), reverse=True)
+        if "lm_head" not in per:  # XLA's dot: each step's longest thunk outside the kernel calls
+            per["lm_head"], rest = sum(rest[:k]), rest[k:]
+        per["other thunks"] = sum(rest)
+        spans = sorted((t0, t0 + t_dur) for t0, t_dur, name in thunks if not name.startswith("while"))
+        busy, reach = 0, start
+        for a, b in spans:  # the union of the thunks' spans
+            busy += max(0, b - max(a, reach))
+            reach = max(reach, b)
+        per["idle"] = dur - busy
+        per["run"] = dur
+        for kind, ns in per.items():
+            parts[kind].append(ns / k)
+    host = [b[0] - (a[0] + a[1]) for a, b in itertools.pairwise(runs)]
+    out = {"steps_a_run": k, "runs": len(runs),
+           "host_between_runs_us": float(np.median(host)) / 1e3 if host else float("nan"), "parts": {}}
+    for kind, ns in parts.items():
+        part = {"ms": float(np.median(ns)) / 1e6}
+        if kind in bytes_of:
+            part["weight_gbps"] = layers * bytes_of[kind] / part["ms"] / 1e6
+        out["parts"][kind] = part
+    return out
+
+
+def print_loop_parts(res: dict, title: str) -> None:
+    print(title)
+    print(f"  host between runs {res['host_between_runs_us']:.0f} us ({res['steps_a_run']} steps a run, "
+          f"{res['runs']} runs)")
+    for kind, part in res["parts"].items():
+        rate = f"  {part['weight_gbps']:5.1f} GB/s of weights" if "weight_gbps" in part else ""
+        print(f"  {kind:15s} {part['ms']:6.2f} ms a step{rate}")
 
 
 def print_decode_parts(res: dict, title: str) -> None:
@@ -212,6 +275,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--prefills", default="", help="COUNTxTOKENS prompts per step, comma separated")
+    ap.add_argument("--num-scheduler-steps", type=int, default=1,
+                    help="decode steps a dispatch (the engine's flag); above 1, the figures are per step of a run")
     args = ap.parse_args()
 
     from jaxserve.config.engine import EngineConfig
@@ -227,8 +292,12 @@ def main() -> None:
         except ValueError:
             ap.error(f"--prefills takes COUNTxTOKENS,...; got {args.prefills!r}")
         return trace_prefills(ap, args.model, cases)
-    engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=max(16, args.batch), warmup=False))
-    params = SamplingParams(temperature=0, max_tokens=args.steps + 64, ignore_eos=True)
+    k = args.num_scheduler_steps
+    if k < 1:
+        ap.error(f"--num-scheduler-steps takes a positive count, got {k}")
+    engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=max(16, args.batch), warmup=False,
+                                    num_scheduler_steps=k))
+    params = SamplingParams(temperature=0, max_tokens=(args.steps + 64) * k, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(f"p{i}", [(i + j) % 1000 + 1 for j in range(args.prompt_len)], params)
     engine.step()
@@ -238,9 +307,10 @@ def main() -> None:
         engine.step()
     profile = traced(lambda: [engine.step() for _ in range(args.steps)])
 
-    res = decode_parts(profile, engine.spec)
-    print_decode_parts(res, f"{args.model}, {engine.last_step.num_decode_tokens} decoding, {args.steps} traced steps "
-                            "(medians):")
+    title = f"{args.model}, {args.batch} decoding, {args.steps} traced engine steps"
+    if k > 1:
+        return print_loop_parts(loop_parts(profile, engine.spec, k), f"{title} of {k} decode steps (medians):")
+    print_decode_parts(decode_parts(profile, engine.spec), f"{title} (medians):")
 
 if __name__ == "__main__":
     main()

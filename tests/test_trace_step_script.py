@@ -5,9 +5,11 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # as when the script runs
 
-from trace_step import executions, xla_thunks  # noqa: E402
+from trace_step import executions, loop_parts, xla_thunks  # noqa: E402
 
 
 def line(name: str, *events: tuple[int, int, str]) -> SimpleNamespace:
@@ -44,3 +46,32 @@ def test_a_loop_bodys_nested_execution_is_part_of_its_program():
     runs = executions(profile(client))
     assert [(r[0], r[1]) for r in runs] == [(0, 1_000), (2_000, 50)]
     assert [t[2] for t in runs[0][2]] == ["fusion.body"]
+
+
+def test_a_k_step_run_reads_per_step_with_the_head_as_xla_dot_and_its_idle_time():
+    spec = SimpleNamespace(num_layers=2, hidden_size=4, head_dim=2, num_heads=2, num_kv_heads=1, intermediate_size=8)
+    events, t = [(0, 100, "ThunkExecutor::Execute")], 10  # the client thread's own span ends early: async tail
+    for _ in range(2):  # two decode steps in one run
+        for i in range(2 * 5):  # two layers' qkv, attention, o, gate_up, down
+            events.append((t, 100, f"ffi_call.{i}"))
+            t += 100
+        events.append((t, 500, "copy_dot_fusion"))  # the LM head, XLA's dot
+        t += 500 + 40  # 40 ns idle before the draw
+        events.append((t, 20, "ynn_fusion"))
+        t += 20
+    p = profile(line("tf_XLAPjRtCpuClient/1", *events[:1]), line("tf_XLAEigen/3", *events[1:]))
+
+    res = loop_parts(p, spec, k=2)
+    parts = {kind: part["ms"] * 1e6 for kind, part in res["parts"].items()}  # ns a step
+    assert parts["qkv"] == parts["down"] == 200  # two layers' calls of 100 ns
+    assert parts["lm_head"] == 500 and parts["other thunks"] == 20
+    assert parts["idle"] == 10 / 2 + 40  # the run's start to its first thunk, halved; the gap before each draw
+    assert parts["run"] == t / 2
+    assert res["parts"]["gate_up"]["weight_gbps"] == pytest.approx(2 * 4 * 16 * 4 / 200)
+
+
+def test_a_trace_without_k_steps_a_run_is_refused():
+    spec = SimpleNamespace(num_layers=2, hidden_size=4, head_dim=2, num_heads=2, num_kv_heads=1, intermediate_size=8)
+    one_step = [(0, 2_000, "ThunkExecutor::Execute")] + [(10 + 100 * i, 100, f"ffi_call.{i}") for i in range(10)]
+    with pytest.raises(ValueError, match="no run holds 4 steps"):
+        loop_parts(profile(line("tf_XLAPjRtCpuClient/1", *one_step)), spec, k=4)
