@@ -158,7 +158,9 @@ def loop_parts(profile, spec, k: int) -> dict:
     """A trace of k-step decode runs (`--num-scheduler-steps k`, steady, no run ending early) read back, per decode
     step (medians over the runs): the run's time, each kind of a layer's kernel calls with its weight bandwidth, the
     LM head (the kernel's call after each step's layers, or else the step's longest other thunk: XLA's dot), XLA's
-    other thunks, the run's idle time (no thunk running on any thread) and the host's time between runs."""
+    other thunks, the run's idle time (no thunk event on any thread: it includes the share of XLA's own
+    multi-threaded thunks, such as the head's dot, that runs on after the thunk's event ends) and the host's time
+    between runs."""
     layers = spec.num_layers
     calls_a_step = len(LAYER_CALLS) * layers
     runs = [r for r in executions(profile) if sum(t[2].startswith("ffi_call") for t in r[2]) >= k * calls_a_step]
