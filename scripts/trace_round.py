@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
-from trace_step import LAYER_CALLS, Thunk, traced, xla_thunks  # noqa: E402
+from trace_step import LAYER_CALLS, Thunk, covered, traced, xla_thunks  # noqa: E402
 
 STEP = "jaxserve-traced-step"  # the annotation around each engine step the script runs
 OTHER = "other: "  # a part named so is one kind of XLA thunk, within "other thunks"
@@ -41,17 +41,6 @@ def step_windows(profile) -> list[tuple[int, int]]:
     """The annotated steps' windows (start, end ns), sorted."""
     return sorted((e.start_ns, e.start_ns + e.duration_ns) for plane in profile.planes for line in plane.lines
                   for e in line.events if e.name == STEP)
-
-
-def _union(spans: list[tuple[int, int]]) -> int:
-    """The time covered by (start, end) spans, sorted by start."""
-    total, reach = 0, None
-    for a, b in spans:
-        if reach is None or a > reach:
-            total, reach = total + b - a, b
-        elif b > reach:
-            total, reach = total + b - reach, b
-    return total
 
 
 def step_parts(thunks: list[Thunk], layers: int) -> dict[str, float] | None:
@@ -72,7 +61,7 @@ def step_parts(thunks: list[Thunk], layers: int) -> dict[str, float] | None:
         if not name.startswith("ffi_call"):
             per[OTHER + re.sub(r"[.]\d+$", "", name)] += dur  # fusion.3 and fusion.7: one kind
     span = max(t[0] + t[1] for t in thunks) - thunks[0][0]
-    per["idle"] = span - _union([(t[0], t[0] + t[1]) for t in thunks])
+    per["idle"] = span - covered([(t[0], t[0] + t[1]) for t in thunks])
     per["span"] = span
     return dict(per)
 

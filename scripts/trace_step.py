@@ -75,6 +75,17 @@ def executions(profile) -> list[tuple[int, int, list[Thunk]]]:
     return runs
 
 
+def covered(spans: list[tuple[int, int]]) -> int:
+    """The time covered by (start, end) spans, sorted by start."""
+    total, reach = 0, None
+    for a, b in spans:
+        if reach is None or a > reach:
+            total, reach = total + b - a, b
+        elif b > reach:
+            total, reach = total + b - reach, b
+    return total
+
+
 def helper_starts(profile) -> list[int]:
     """When XLA's intra-op threads started a task (ns), sorted."""
     return sorted(e.start_ns for plane in profile.planes for line in plane.lines
@@ -168,7 +179,7 @@ def loop_parts(profile, spec, k: int) -> dict:
         raise ValueError(f"no run holds {k} steps' kernel calls: is the engine's --num-scheduler-steps {k}?")
     bytes_of = layer_weight_bytes(spec)
     parts: dict[str, list[float]] = collections.defaultdict(list)
-    for start, dur, thunks in runs:
+    for _, dur, thunks in runs:
         calls = [t for t in thunks if t[2].startswith("ffi_call")]
         per_step = len(calls) // k
         if per_step not in (calls_a_step, calls_a_step + 1) or len(calls) % k:
@@ -181,12 +192,8 @@ def loop_parts(profile, spec, k: int) -> dict:
         if "lm_head" not in per:  # XLA's dot: each step's longest thunk outside the kernel calls
             per["lm_head"], rest = sum(rest[:k]), rest[k:]
         per["other thunks"] = sum(rest)
-        spans = sorted((t0, t0 + t_dur) for t0, t_dur, name in thunks if not name.startswith("while"))
-        busy, reach = 0, start
-        for a, b in spans:  # the union of the thunks' spans
-            busy += max(0, b - max(a, reach))
-            reach = max(reach, b)
-        per["idle"] = dur - busy
+        per["idle"] = dur - covered(sorted((t0, t0 + t_dur) for t0, t_dur, name in thunks
+                                           if not name.startswith("while")))
         per["run"] = dur
         for kind, ns in per.items():
             parts[kind].append(ns / k)
@@ -206,8 +213,12 @@ def print_loop_parts(res: dict, title: str) -> None:
     print(f"  host between runs {res['host_between_runs_us']:.0f} us ({res['steps_a_run']} steps a run, "
           f"{res['runs']} runs)")
     for kind, part in res["parts"].items():
-        rate = f"  {part['weight_gbps']:5.1f} GB/s of weights" if "weight_gbps" in part else ""
-        print(f"  {kind:15s} {part['ms']:6.2f} ms a step{rate}")
+        print(_part_line(kind, part, "ms a step"))
+
+
+def _part_line(kind: str, part: dict, unit: str) -> str:
+    rate = f"  {part['weight_gbps']:5.1f} GB/s of weights" if "weight_gbps" in part else ""
+    return f"  {kind:15s} {part['ms']:6.2f} {unit}{rate}"
 
 
 def print_decode_parts(res: dict, title: str) -> None:
@@ -216,10 +227,9 @@ def print_decode_parts(res: dict, title: str) -> None:
           f"{res['lm_head_ms']:.2f}), forward end to sampler start {res['forward_to_sampler_us']:.0f} us, "
           f"sampler end to the next forward {res['sampler_to_next_forward_us']:.0f} us")
     for kind, part in res["parts"].items():
-        rate = f"  {part['weight_gbps']:5.1f} GB/s of weights" if "weight_gbps" in part else ""
         lag = (f"; other thread started after {part['other_thread_us']:.0f} us (p90 {part['other_thread_p90_us']:.0f})"
                f", never in {part['other_thread_never']:.0%}") if "other_thread_us" in part else ""
-        print(f"  {kind:15s} {part['ms']:6.2f} ms{rate}{lag}")
+        print(_part_line(kind, part, "ms") + lag)
 
 
 def trace_prefills(ap: argparse.ArgumentParser, model: str, cases: list[tuple[int, int]]) -> None:
