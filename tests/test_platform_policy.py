@@ -4,6 +4,7 @@ attention backend), and what the engine does with it."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -75,3 +76,4 @@ def test_device_facts_describe_this_processs_cpu_once():
     assert (facts.platform, facts.cpu) == ("cpu", True)
     assert facts.memory_bytes == host_memory_bytes() > 0  # a CPU's memory is the host's
     assert facts == device_facts(jax.devices()[:1])
+    assert facts.cores == tuple(sorted(os.sched_getaffinity(0)))  # the cores pinned pools are given, read here once

@@ -1,4 +1,5 @@
-"""Facts about the devices that only the platform layer reads: whether a device is a CPU, how much memory it has.
+"""Facts about the devices that only the platform layer reads: whether a device is a CPU, how much memory it has,
+which of the host's cores this process may use.
 
 The engine's choices go through `policy.PlatformPolicy`, which holds the `DeviceFacts` it read at start-up; the
 measurement tools (which describe and price a CPU differently from an accelerator) read them there. The one other
@@ -24,6 +25,7 @@ class DeviceFacts:
     kind: str  # the device kind, for names and logs
     cpu: bool
     memory_bytes: float | None  # the host's memory on a CPU; what XLA may allocate on an accelerator (None: unknown)
+    cores: tuple[int, ...]  # the host's cores this process may run on, in order (pinned pools take them)
 
 
 def device_facts(devices: Sequence[jax.Device] | None = None) -> DeviceFacts:
@@ -31,7 +33,8 @@ def device_facts(devices: Sequence[jax.Device] | None = None) -> DeviceFacts:
     device = next(iter(devices if devices is not None else jax.devices()))
     platform, kind = device_description(device)
     cpu = is_cpu(device)
-    return DeviceFacts(platform, kind, cpu, host_memory_bytes() if cpu else memory_limit(device))
+    memory = host_memory_bytes() if cpu else memory_limit(device)
+    return DeviceFacts(platform, kind, cpu, memory, tuple(usable_cores()))
 
 
 def is_cpu(device: jax.Device) -> bool:
@@ -78,7 +81,7 @@ def provide_devices(p: int, d: int) -> str:
     if len(devices) < n:
         raise ValueError(f"--disagg {p}+{d} needs {n} devices; {len(devices)} visible")
     facts = device_facts(devices)
-    cores = len(usable_cores())
+    cores = len(facts.cores)
     if facts.cpu and n > cores:
         raise ValueError(f"--disagg {p}+{d} needs {n} CPU devices but this machine has {cores} cores "
                          "(fake devices beyond the cores would only share them)")

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,6 @@ from jaxserve.measure.bench.http_client import run_http
 from jaxserve.measure.bench.load import LoadConfig
 from jaxserve.measure.report.context import avoid_tokens
 from jaxserve.measure.report.disagg import PoolRun, pool_rows
-from jaxserve.platform.devices import usable_cores
 
 METRIC_PREFIX = "jaxserve:"
 KV_COUNTERS = ("kv_imports", "kv_import_bytes", "kv_pull_seconds", "kv_insert_seconds")
@@ -77,7 +76,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args: list[str], cores: list[int], cpu: bool, log_path: Path, command: str = "serve") -> subprocess.Popen:
+def launch(args: list[str], cores: Sequence[int], cpu: bool, log_path: Path,
+           command: str = "serve") -> subprocess.Popen:
     """`jaxserve COMMAND ARGS` importing this tree, in its own process group; on a CPU pinned to `cores`, with as
     many CPU devices."""
     env = dict(os.environ)
@@ -123,7 +123,7 @@ def wait_ready(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: floa
     raise RuntimeError(f"the server for {url} was not ready in {timeout_s:.0f} s (log {log_path})")
 
 
-def calibrate_pinned(cfg, cores: list[int], out: Path, log=print) -> Path:
+def calibrate_pinned(cfg, cores: Sequence[int], out: Path, log=print) -> Path:
     """A hardware profile of `cfg`'s model measured by `jaxserve calibrate` pinned to `cores` (a pool's server
     runs on those alone: a profile of all the cores prices its steps too fast), on the engine the report
     calibrates on every core (`cfg.engine_config()`: its weights, KV dtype, sequences and step budget); its path.
@@ -149,7 +149,7 @@ def calibrate_pinned(cfg, cores: list[int], out: Path, log=print) -> Path:
 
 
 @contextlib.contextmanager
-def role_servers(cfg, prefill_cores: list[int], decode_cores: list[int], cpu: bool,
+def role_servers(cfg, prefill_cores: Sequence[int], decode_cores: Sequence[int], cpu: bool,
                  log=print) -> Iterator[dict[str, Any]]:
     """A prefill and a decode server of the part, ready; yields their urls, cores, pids and logs; stops both."""
     logs = Path(tempfile.mkdtemp(prefix="jaxserve-report-disagg-"))
@@ -190,7 +190,7 @@ def run_disagg_servers(ctx) -> list[dict[str, Any]]:
     """Rows of kind `disagg` (`disagg.pool_rows`), measured on a prefill server and a decode server."""
     cfg = ctx.cfg
     p, d = cfg.disagg
-    cores = usable_cores()
+    cores = ctx.facts.cores
     if p + d > len(cores):
         raise ValueError(f"--disagg {p}+{d} as server processes needs {p + d} cores; this process may use "
                          f"{len(cores)}")

@@ -34,7 +34,6 @@ from jaxserve.measure.report.probe import drift, drift_note, probe
 from jaxserve.measure.report.render import write_markdown, write_plot
 from jaxserve.measure.report.speculative import run_speculative
 from jaxserve.measure.report.summary import check_context, summarize
-from jaxserve.platform.devices import usable_cores
 from planner.hardware import load_hardware
 
 
@@ -52,7 +51,8 @@ def run_report(cfg: ReportConfig, out_dir: str | Path, profile: str | None = Non
     processes = bool(cfg.disagg) and engine.policy.pools_as_pinned_processes and not cfg.disagg_in_process
     pool_profile = None
     if processes and not profile:  # the pools' servers run on P cores each: price them from a profile of P cores
-        pool_profile = str(calibrate_pinned(cfg, usable_cores()[:cfg.disagg[0]], out / "pool-profile.json", log))
+        cores = engine.policy.facts.cores[:cfg.disagg[0]]
+        pool_profile = str(calibrate_pinned(cfg, cores, out / "pool-profile.json", log))
         profile = pool_profile if cfg.disagg_only else None  # that part alone: no calibration on every core
     if profile:
         check_profile_dtypes(profile, dtype, kv_dtype)
