@@ -76,22 +76,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args: list[str], cores: Sequence[int], cpu: bool, log_path: Path,
-           command: str = "serve") -> subprocess.Popen:
-    """`jaxserve COMMAND ARGS` importing this tree, in its own process group; on a CPU pinned to `cores`, with as
-    many CPU devices."""
+def launch(args: list[str], cores: Sequence[int], log_path: Path, command: str = "serve") -> subprocess.Popen:
+    """`jaxserve COMMAND ARGS` importing this tree, in its own process group, pinned to `cores` with as many CPU
+    devices (the report runs pools as such processes where its policy says so: `pools_as_pinned_processes`)."""
     env = dict(os.environ)
     tree = str(Path(jaxserve.__file__).resolve().parents[1])  # the servers run the code this report runs
     env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "jaxserve", command, *args]
-    taskset = shutil.which("taskset") if cpu else None
-    if cpu and len(cores) > 1:  # JAX's own flag: one CPU device per pinned core (TP over them)
+    taskset = shutil.which("taskset")
+    if len(cores) > 1:  # JAX's own flag: one CPU device per pinned core (TP over them)
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={len(cores)}"
     if taskset:
         cmd = [taskset, "-c", ",".join(map(str, cores)), *cmd]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    if cpu and not taskset:  # before the interpreter starts its threads, which inherit the mask
+    if not taskset:  # before the interpreter starts its threads, which inherit the mask
         os.sched_setaffinity(proc.pid, cores)
     return proc
 
@@ -136,7 +135,7 @@ def calibrate_pinned(cfg, cores: Sequence[int], out: Path, log=print) -> Path:
             *(["--kv-cache-memory", str(e.kv_cache_memory)] if e.kv_cache_memory else [])]
     log_path = out.with_suffix(".log")
     t0 = time.monotonic()
-    proc = launch(args, cores, True, log_path, command="calibrate")
+    proc = launch(args, cores, log_path, command="calibrate")
     try:
         code = proc.wait()
     finally:
@@ -149,7 +148,7 @@ def calibrate_pinned(cfg, cores: Sequence[int], out: Path, log=print) -> Path:
 
 
 @contextlib.contextmanager
-def role_servers(cfg, prefill_cores: Sequence[int], decode_cores: Sequence[int], cpu: bool,
+def role_servers(cfg, prefill_cores: Sequence[int], decode_cores: Sequence[int],
                  log=print) -> Iterator[dict[str, Any]]:
     """A prefill and a decode server of the part, ready; yields their urls, cores, pids and logs; stops both."""
     logs = Path(tempfile.mkdtemp(prefix="jaxserve-report-disagg-"))
@@ -168,7 +167,7 @@ def role_servers(cfg, prefill_cores: Sequence[int], decode_cores: Sequence[int],
         for role in ("prefill", "decode"):
             args = [*server_flags(cfg, ports[role]), "--tensor-parallel-size", str(tp[role]),
                     "--disaggregation-mode", role, *extra[role]]
-            procs[role] = launch(args, cores[role], cpu, logs / f"{role}.log")
+            procs[role] = launch(args, cores[role], logs / f"{role}.log")
         for role in procs:
             wait_ready(url[role], procs[role], logs / f"{role}.log")
         log(f"prefill and decode servers ready in {time.monotonic() - t0:.0f} s (cores {prefill_cores} and "
@@ -194,7 +193,7 @@ def run_disagg_servers(ctx) -> list[dict[str, Any]]:
     if p + d > len(cores):
         raise ValueError(f"--disagg {p}+{d} as server processes needs {p + d} cores; this process may use "
                          f"{len(cores)}")
-    with role_servers(cfg, cores[:p], cores[p:p + d], cpu=True, log=ctx.log) as servers:
+    with role_servers(cfg, cores[:p], cores[p:p + d], log=ctx.log) as servers:
         url = servers["urls"]
 
         def burst(num: int, seed: int):
